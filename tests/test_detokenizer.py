@@ -1,0 +1,63 @@
+"""Incremental detokenization: streaming-safe UTF-8, text equal to the full decode, stop strings
+that span tokens, held-back text while a stop string may still be forming."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from tokenmill import RequestOutputKind, SamplingParams
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = ["héllo wörld — naïve café", "日本語のテキストと中文字符", "emoji 😀🎉👩‍👩‍👧 mixed ✓ text",
+         "code: def f(x):\n    return x ** 2  # ✓", "Ελληνικά και русский текст"]
+
+
+@pytest.fixture(scope="module")
+def tok(smol_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(str(smol_tokenizer_dir))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streaming_never_breaks_characters(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # multi-byte characters really are split across tokens
+    detok = IncrementalDetokenizer(tok.backend_tokenizer, [1], SamplingParams())
+    deltas = []
+    for t in ids:
+        detok.update([t])
+        deltas.append(detok.delta(False))
+    deltas.append(detok.delta(True))
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == text
+
+
+def test_stop_string_spanning_tokens_is_held_back_then_cut(tok):
+    text = "The answer is forty-two. Done."
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok.backend_tokenizer, [1], SamplingParams(stop=["y-tw"]))
+    streamed, stop = "", None
+    for t in ids:
+        stop = detok.update([t])
+        streamed += detok.delta(stop is not None)
+        if stop:
+            break
+    assert stop == "y-tw"
+    assert streamed == "The answer is fort"
+    assert "y-t" not in streamed
+
+
+def test_engine_stream_deltas_concatenate_to_final_text(smol_bf16):
+    engine = smol_bf16.engine
+    prompt = "Translate to Japanese and Chinese, with emoji: Good morning, my friend!"
+    engine.add_request("utf8", prompt, SamplingParams(temperature=0.8, seed=1, max_tokens=48,
+                                                      output_kind=RequestOutputKind.DELTA))
+    deltas, tokens = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.outputs[0].text)
+            tokens += out.outputs[0].token_ids
+    joined = "".join(deltas)
+    assert joined == smol_bf16.get_tokenizer().decode(tokens, skip_special_tokens=True)
+    # a broken character can only appear where the model itself produced invalid UTF-8
+    assert joined.count("\ufffd") == smol_bf16.get_tokenizer().decode(tokens).count("\ufffd")

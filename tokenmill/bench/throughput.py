@@ -1,0 +1,55 @@
+"""`tokenmill bench throughput`: offline throughput of the engine on a fixed workload."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tokenmill.bench.datasets import BenchRequest, from_jsonl, synthetic
+from tokenmill.sampling_params import SamplingParams
+
+
+def run_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True) -> dict:
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True)
+              for r in requests]
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in requests], params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - t0
+    n_in = sum(len(o.prompt_token_ids) for o in outs)
+    n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {
+        "num_requests": len(requests), "elapsed_s": elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "input_tokens_per_s": n_in / elapsed, "output_tokens_per_s": n_out / elapsed,
+        "total_tokens_per_s": (n_in + n_out) / elapsed,
+        "input_tokens": n_in, "output_tokens": n_out,
+    }
+
+
+def load_workload(tokenizer, args) -> list[BenchRequest]:
+    if args.dataset:
+        return from_jsonl(args.dataset, tokenizer, args.output_len, args.num_prompts)
+    return synthetic(tokenizer, args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                     seed=args.workload_seed)
+
+
+def main(args) -> int:
+    from tokenmill.entrypoints.cli.args import engine_config_from_args
+    from tokenmill.entrypoints.llm import LLM
+
+    cfg = engine_config_from_args(args)
+    llm = LLM(**{k: v for k, v in vars(cfg).items() if not k.startswith("_")})
+    requests = load_workload(llm.get_tokenizer(), args)
+    if args.warmup:
+        run_throughput(llm, requests[: min(len(requests), 4)], use_tqdm=False)
+    result = run_throughput(llm, requests)
+    result["config"] = {"model": llm.engine.served_model_name, "dtype": str(llm.engine.core.worker.dtype),
+                        "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens}
+    print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
+          f"{result['input_tokens_per_s']:.1f} input tok/s, {result['output_tokens_per_s']:.1f} output tok/s, "
+          f"{result['total_tokens_per_s']:.1f} total tok/s ({result['num_requests']} requests in "
+          f"{result['elapsed_s']:.2f}s)")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

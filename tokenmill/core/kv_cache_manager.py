@@ -1,0 +1,90 @@
+"""Per-request KV block bookkeeping on top of the BlockPool: prefix-cache lookups, slot allocation
+as a request grows, freeing when it ends."""
+
+from __future__ import annotations
+
+from tokenmill.core.block_pool import BlockPool, KVCacheBlock
+from tokenmill.core.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks of a request already registered
+        self.prefix_queries = 0  # tokens looked up in the prefix cache (cumulative)
+        self.prefix_hits = 0  # of which served from it
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks, leaving at least one token to compute (its logits
+        are needed to sample)."""
+        if not self.enable_caching or req.skip_prefix_cache:
+            return [], 0
+        hashes = req.update_block_hashes(self.block_size)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hits = []
+        for h in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit
+
+    def can_fit(self, num_tokens: int) -> bool:
+        return -(-num_tokens // self.block_size) <= self.pool.num_blocks
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed: list[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones (plus
+        `computed` prefix hits, on admission). None if the pool cannot: the caller preempts."""
+        blocks = self.req_blocks.get(req.request_id, [])
+        num_after = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        need = -(-num_after // self.block_size) - len(blocks) - len(computed)
+        reclaimed = sum(1 for b in computed if b.ref_cnt == 0)  # hits that are free-but-cached
+        if need > self.pool.num_free_blocks - reclaimed:
+            return None
+        self.pool.touch(list(computed))
+        new = self.pool.allocate(max(need, 0))
+        blocks = self.req_blocks.setdefault(req.request_id, blocks)
+        blocks.extend(computed)
+        blocks.extend(new)
+        if self.enable_caching:
+            self._cache_full_blocks(req, blocks, num_after)
+        return new
+
+    def _cache_full_blocks(self, req: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Register blocks that are full once this step's KV is written (an equal request admitted
+        in the same step can already share them: the step writes K/V before it reads)."""
+        done = self._num_hashed.get(req.request_id, 0)
+        full = min(num_tokens, req.num_tokens) // self.block_size
+        if full <= done or req.skip_prefix_cache:
+            return
+        hashes = req.update_block_hashes(self.block_size)
+        for i in range(done, full):
+            self.pool.cache_block(blocks[i], hashes[i])
+        self._num_hashed[req.request_id] = full
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self._num_hashed.pop(req.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free_blocks

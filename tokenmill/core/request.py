@@ -1,0 +1,101 @@
+"""A request as the core sees it: token ids, progress through them, and its KV block hashes."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from array import array
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # finished states: everything after this line
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+def hash_block(parent: bytes | None, token_ids, extra: bytes = b"") -> bytes:
+    """Chained block hash: equal hashes mean equal tokens in this block AND in every block before
+    it (and equal extra keys, e.g. an adapter id), hence equal KV."""
+    h = hashlib.sha256(parent or b"")
+    h.update(array("I", token_ids).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: set[int], max_tokens: int, arrival_time: float,
+                 generator: torch.Generator | None = None, cache_salt: bytes = b""):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens
+        self.arrival_time = arrival_time
+        self.generator = generator
+        self.cache_salt = cache_salt  # extra key of the first block's hash
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []
+        self.first_scheduled_time: float | None = None
+        # prompt logprobs need logits of every prompt position, so they skip the prefix cache
+        self.skip_prefix_cache = params.prompt_logprobs is not None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last token still needs its KV computed (prompt, or recompute after preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def update_block_hashes(self, block_size: int) -> list[bytes]:
+        """Hashes of every full block of known tokens (computed incrementally)."""
+        while (len(self.block_hashes) + 1) * block_size <= self.num_tokens:
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if i else None
+            tokens = self.all_token_ids[i * block_size:(i + 1) * block_size]
+            self.block_hashes.append(hash_block(parent, tokens, self.cache_salt if i == 0 else b""))
+        return self.block_hashes
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

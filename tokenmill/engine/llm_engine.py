@@ -1,0 +1,92 @@
+"""The synchronous engine: input processing -> engine core -> output processing.
+
+`add_request`, `abort_request`, `step`, `has_unfinished_requests`. Single-threaded by contract:
+the offline `LLM` drives it directly; `AsyncLLMEngine` drives it from one engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.processor import InputProcessor, ProcessedRequest
+from tokenmill.engine.stats import IterationStats, StatLogger
+from tokenmill.errors import InvalidRequestError
+from tokenmill.model.loader import load_model_config, load_tokenizer, resolve_model
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        self.config = config
+        t0 = time.monotonic()
+        self.source = resolve_model(config.model)
+        self.model_config = load_model_config(self.source)
+        self.tokenizer = load_tokenizer(self.source, config.tokenizer, config.trust_remote_code)
+        self.core = EngineCore(config, self.source, self.model_config, progress=progress)
+        eos = set(self.model_config.eos_token_id)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len,
+                                        config.max_logprobs, eos, config.torch_device)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers: list[StatLogger] = []
+        self.served_model_name = config.served_model_name or self.source.name
+        self.last_iteration_stats = IterationStats()
+        logger.info("engine ready in %.1fs", time.monotonic() - t0)
+
+    @classmethod
+    def from_engine_args(cls, progress: bool = True, **kwargs) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs), progress=progress)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    # --- requests ---------------------------------------------------------------------------------
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                arrival_time: float | None = None, add_special_tokens: bool = True) -> ProcessedRequest:
+        """Tokenize and validate (thread-safe; raises InvalidRequestError for bad input)."""
+        return self.processor.process(request_id, prompt, params or SamplingParams(), arrival_time,
+                                      add_special_tokens)
+
+    def add_processed(self, p: ProcessedRequest) -> None:
+        if p.request_id in self.output_processor.requests:
+            raise InvalidRequestError(f"request id {p.request_id!r} is already in use", param="request_id")
+        self.output_processor.add_request(p)
+        for child in p.children:
+            self.core.add_request(child)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, add_special_tokens: bool = True) -> None:
+        self.add_processed(self.process(request_id, prompt, params, arrival_time, add_special_tokens))
+
+    def abort_request(self, request_ids) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.core.abort_requests(self.output_processor.abort(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished() or self.core.has_unfinished()
+
+    def num_waiting(self) -> int:
+        return len(self.core.scheduler.waiting)
+
+    # --- one step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        core_outs = self.core.step()
+        outputs, to_abort, it_stats = self.output_processor.process(core_outs, time.monotonic())
+        if to_abort:  # stop strings: the core keeps generating until told
+            self.core.abort_requests(to_abort)
+        self.last_iteration_stats = it_stats
+        if self.stat_loggers:
+            sched_stats = self.core.stats()
+            for stat_logger in self.stat_loggers:
+                stat_logger.record(sched_stats, it_stats)
+        return outputs

@@ -1,0 +1,210 @@
+"""Turns the core's per-step token outputs into RequestOutputs: incremental text, stop strings,
+logprobs, n > 1 fan-in, per-request timings, and the step's statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.processor import ProcessedRequest
+from tokenmill.engine.stats import FinishedRequestStats, IterationStats
+from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the core reports for one (child) request after a step."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[tuple] | None = None  # per token: (ids, logprobs, rank), sampled first
+    prompt_logprobs: tuple[int, list] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+
+
+class _Child:
+    def __init__(self, index: int, detok: IncrementalDetokenizer, want_logprobs: bool):
+        self.index = index
+        self.detok = detok
+        self.token_ids: list[int] = []
+        self.logprobs: list | None = [] if want_logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if want_logprobs else None
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+        self.sent_tokens = 0
+        self.changed = False
+
+
+class _RequestState:
+    def __init__(self, p: ProcessedRequest, children: dict[str, _Child]):
+        self.p = p
+        self.kind = p.params.output_kind
+        self.children = children
+        self.unfinished = len(children)
+        self.metrics = RequestMetrics(arrival_time=p.arrival_time)
+        want_prompt_lp = p.params.prompt_logprobs is not None
+        self.prompt_logprobs = [None] * len(p.prompt_token_ids) if want_prompt_lp else None
+        self.prompt_logprobs_sent = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer  # Hugging Face tokenizer
+        self.fast = tokenizer.backend_tokenizer
+        self.requests: dict[str, _RequestState] = {}
+        self.child_of: dict[str, tuple[_RequestState, _Child]] = {}
+        self._piece_cache: dict[int, str] = {}
+
+    def add_request(self, p: ProcessedRequest) -> None:
+        children = {}
+        for i, req in enumerate(p.children):
+            detok = IncrementalDetokenizer(self.fast, p.prompt_token_ids, req.params)
+            children[req.request_id] = _Child(i, detok, p.params.logprobs is not None)
+        state = _RequestState(p, children)
+        self.requests[p.request_id] = state
+        for cid, child in children.items():
+            self.child_of[cid] = (state, child)
+
+    def abort(self, request_ids) -> list[str]:
+        """Forget requests; returns the child ids the core must abort."""
+        out = []
+        for rid in request_ids:
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                for cid in state.children:
+                    self.child_of.pop(cid, None)
+                    out.append(cid)
+        return out
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def process(self, outs: list[EngineCoreOutput],
+                now: float) -> tuple[list[RequestOutput], list[str], IterationStats]:
+        stats = IterationStats()
+        touched: dict[str, _RequestState] = {}
+        to_abort: list[str] = []
+        for o in outs:
+            entry = self.child_of.get(o.request_id)
+            if entry is None:
+                continue  # aborted meanwhile
+            state, child = entry
+            m = state.metrics
+            if o.first_scheduled_time is not None and m.first_scheduled_time is None:
+                m.first_scheduled_time = o.first_scheduled_time
+            m.num_cached_tokens = max(m.num_cached_tokens, o.num_cached_tokens)
+            m.num_preemptions = max(m.num_preemptions, o.num_preemptions)
+            if o.prompt_logprobs and state.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, *o.prompt_logprobs)
+            stop = None
+            if o.new_token_ids:
+                if m.first_token_time is None:
+                    m.first_token_time = now
+                    stats.ttfts.append(now - m.arrival_time)
+                    stats.num_prompt_tokens += len(state.p.prompt_token_ids)
+                elif m.last_token_time is not None:
+                    stats.itls.append(now - m.last_token_time)
+                m.last_token_time = now
+                stats.num_generation_tokens += len(o.new_token_ids)
+                stop = self._add_tokens(child, o)
+            if stop is not None:  # a stop string wins over whatever else ended the request
+                child.finish_reason, child.stop_reason = "stop", stop
+                if o.finish_reason is None:
+                    to_abort.append(o.request_id)
+            elif o.finish_reason is not None:
+                child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason
+            if child.finish_reason is not None:
+                self.child_of.pop(o.request_id, None)
+                state.unfinished -= 1
+            child.changed = True
+            touched[state.p.request_id] = state
+
+        results = []
+        for rid, state in touched.items():
+            finished = state.unfinished == 0
+            if finished:
+                del self.requests[rid]
+                state.metrics.finished_time = now
+                stats.finished.append(self._finished_stats(state))
+            out = self._make_output(state, finished)
+            if out is not None:
+                results.append(out)
+        return results, to_abort, stats
+
+    def _add_tokens(self, child: _Child, o: EngineCoreOutput) -> str | None:
+        """Returns the stop string the new text contains, if any."""
+        stopped_on_token = o.finish_reason == "stop" and not isinstance(o.stop_reason, str)
+        skip_last = stopped_on_token and not child.detok.include_stop
+        stop = child.detok.update(o.new_token_ids, skip_last=skip_last)
+        child.token_ids.extend(o.new_token_ids)
+        if child.logprobs is not None and o.new_logprobs:
+            for ids, vals, rank in o.new_logprobs:
+                child.logprobs.append(self._position(ids, vals, rank))
+                child.cumulative_logprob += vals[0]
+        return stop
+
+    def _position(self, ids: list[int], vals: list[float], rank: int) -> dict[int, Logprob]:
+        pos = {ids[0]: Logprob(vals[0], rank, self.piece(ids[0]))}
+        for r, (tid, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
+            if tid not in pos:
+                pos[tid] = Logprob(v, r, self.piece(tid))
+        return pos
+
+    def piece(self, token_id: int) -> str:
+        s = self._piece_cache.get(token_id)
+        if s is None:
+            s = self._piece_cache[token_id] = self.fast.decode([token_id], skip_special_tokens=False)
+        return s
+
+    def _add_prompt_logprobs(self, state: _RequestState, first: int, entries: list) -> None:
+        for j, (ids, vals, rank) in enumerate(entries):
+            p = first + j
+            if p < len(state.prompt_logprobs) and state.prompt_logprobs[p] is None:
+                state.prompt_logprobs[p] = self._position(ids, vals, rank)
+
+    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput | None:
+        kind = state.kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        outputs = []
+        for child in state.children.values():
+            if kind == RequestOutputKind.DELTA:
+                if not child.changed:
+                    continue
+                text = child.detok.delta(child.finish_reason is not None)
+                toks = child.token_ids[child.sent_tokens:]
+                lps = child.logprobs[child.sent_tokens:] if child.logprobs is not None else None
+                child.sent_tokens = len(child.token_ids)
+            else:
+                child.detok.delta(True)
+                text, toks, lps = child.detok.text, list(child.token_ids), child.logprobs
+            child.changed = False
+            outputs.append(CompletionOutput(child.index, text, toks, child.cumulative_logprob, lps,
+                                            child.finish_reason, child.stop_reason))
+        prompt_lp = None
+        if state.prompt_logprobs is not None and state.metrics.first_token_time is not None:
+            if kind != RequestOutputKind.DELTA or not state.prompt_logprobs_sent:
+                prompt_lp = state.prompt_logprobs
+                state.prompt_logprobs_sent = True
+        return RequestOutput(state.p.request_id, state.p.prompt, state.p.prompt_token_ids, outputs, finished,
+                             prompt_logprobs=prompt_lp, metrics=state.metrics,
+                             num_cached_tokens=state.metrics.num_cached_tokens)
+
+    @staticmethod
+    def _finished_stats(state: _RequestState) -> FinishedRequestStats:
+        m = state.metrics
+        reasons = [c.finish_reason for c in state.children.values()]
+        return FinishedRequestStats(
+            finish_reason=reasons[0] if len(set(reasons)) == 1 else "mixed",
+            e2e_latency=m.finished_time - m.arrival_time,
+            queue_time=(m.first_scheduled_time or m.finished_time) - m.arrival_time,
+            num_prompt_tokens=len(state.p.prompt_token_ids),
+            num_generation_tokens=sum(len(c.token_ids) for c in state.children.values()),
+            num_cached_tokens=m.num_cached_tokens,
+            ttft=m.ttft,
+        )

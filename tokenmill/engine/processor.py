@@ -1,0 +1,100 @@
+"""Input processing: tokenize, validate against the model's limits, and build core requests
+(n > 1 becomes n child requests that share the prompt's KV blocks through the prefix cache)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.core.request import Request
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class ProcessedRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[Request]
+    arrival_time: float
+
+
+def child_id(parent_id: str, index: int, n: int) -> str:
+    return parent_id if n == 1 else f"{index}_{parent_id}"
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int,
+                 eos_token_ids: set[int], device: torch.device):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    chat_template: str | None = None, **template_kwargs) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        norm = []
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise InvalidRequestError("each message needs a role", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):  # OpenAI content parts: keep the text ones
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict)
+                                  and p.get("type") == "text")
+            norm.append({**m, "content": content or ""})
+        try:
+            return self.tokenizer.apply_chat_template(norm, tokenize=False, chat_template=chat_template,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      **template_kwargs)
+        except Exception as e:  # template errors (e.g. roles it rejects) are the caller's
+            raise InvalidRequestError(f"chat template failed: {e}", param="messages") from None
+
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                arrival_time: float | None = None, add_special_tokens: bool = True) -> ProcessedRequest:
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenize(prompt, add_special_tokens)
+        else:
+            text, ids = None, list(prompt)
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})",
+                                          param="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        params.check_vocab(self.vocab_size, self.max_logprobs)
+        max_tokens = self.check_length(len(ids), params.max_tokens)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            p = params.for_child(i) if params.n > 1 else params
+            gen = torch.Generator(device=self.device).manual_seed(p.seed) if p.seed is not None else None
+            children.append(Request(child_id(request_id, i, params.n), ids, p, self.eos_token_ids,
+                                    max_tokens, arrival, gen))
+        return ProcessedRequest(request_id, text, ids, params, children, arrival)
+
+    def check_length(self, num_prompt: int, max_tokens: int | None) -> int:
+        """The effective max_tokens; rejects what can never fit the model length."""
+        limit = self.max_model_len
+        if num_prompt >= limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt} tokens, leaving no room for output.", param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - num_prompt
+        if num_prompt + max_tokens > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+                f"completion). Please reduce the prompt or max_tokens.", param="max_tokens",
+                code="context_length_exceeded")
+        return max_tokens

@@ -1,0 +1,80 @@
+"""The offline API: `LLM(model=None, **engine_args).generate(prompts, params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+Prompt = str | list[int]
+Params = SamplingParams | Sequence[SamplingParams] | None
+
+
+class LLM:
+    def __init__(self, model: str | None = None, progress: bool = True, **engine_args):
+        self.engine = LLMEngine.from_engine_args(model=model, progress=progress, **engine_args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt (text or token ids) or a list; returns outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([(p, True) for p in prompts], params, use_tqdm)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]], params: Params = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} messages) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        proc = self.engine.processor
+        texts = [proc.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        # the template already holds the special tokens (BOS etc.)
+        return self._run([(t, False) for t in texts], params, use_tqdm)
+
+    def _run(self, prompts: list[tuple[Prompt, bool]], params, use_tqdm: bool) -> list[RequestOutput]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        order = []
+        for (prompt, add_special), p in zip(prompts, params):
+            rid = str(next(self._ids))
+            if p.output_kind != RequestOutputKind.FINAL_ONLY:
+                p = _final_only(p)
+            self.engine.add_request(rid, prompt, p, add_special_tokens=add_special)
+            order.append(rid)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Processed prompts", unit=" req", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        t0, out_tokens = time.monotonic(), 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {out_tokens / (time.monotonic() - t0):.1f} tok/s")
+        except BaseException:
+            self.engine.abort_request(order)  # leave the engine clean (Ctrl-C, errors)
+            raise
+        finally:
+            bar.close()
+        return [results[rid] for rid in order]
+
+
+def _final_only(p: SamplingParams) -> SamplingParams:
+    import copy
+
+    p = copy.copy(p)
+    p.output_kind = RequestOutputKind.FINAL_ONLY
+    return p

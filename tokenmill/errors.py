@@ -1,0 +1,68 @@
+"""Typed errors. Each carries the HTTP status and OpenAI error type the server maps it to."""
+
+from __future__ import annotations
+
+
+class TokenmillError(Exception):
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequestError(TokenmillError, ValueError):
+    """Bad user input: a parameter out of range, a prompt that cannot fit, a malformed body."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ConfigError(TokenmillError, ValueError):
+    """Bad engine configuration (flags, environment, model files)."""
+
+    status_code = 500
+    error_type = "config_error"
+
+
+class AuthenticationError(TokenmillError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class ModelNotFoundError(TokenmillError):
+    status_code = 404
+    error_type = "model_not_found"
+
+
+class QueueFullError(TokenmillError):
+    """Back-pressure: the waiting queue is at --max-queue-len."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message, code="queue_full")
+        self.retry_after = retry_after
+
+
+class ServiceUnavailableError(TokenmillError):
+    """The server is loading, draining for shutdown, or its engine died."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class EngineDeadError(TokenmillError):
+    """The engine loop raised; in-flight requests fail with this."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+
+class RequestTimeoutError(TokenmillError):
+    status_code = 408
+    error_type = "timeout"

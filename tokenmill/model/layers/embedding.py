@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.model.layers.linear import default_weight_loader
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class LMHead(VocabEmbedding):
+    """Projects hidden states to vocabulary logits (fp32, for sampling). May share the embedding."""
+
+    def tie(self, embedding: VocabEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight).float()

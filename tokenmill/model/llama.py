@@ -1,0 +1,139 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral-style) over a flat, paged batch.
+
+Also the base of Qwen2, which differs only in a bias on the q/k/v projections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.errors import ConfigError
+from tokenmill.model.attention import AttentionBackend, AttentionMetadata
+from tokenmill.model.layers.activation import silu_and_mul
+from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
+from tokenmill.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
+from tokenmill.model.layers.norm import RMSNorm
+from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.model.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, device):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
+                                                            cfg.num_key_value_heads, cfg.head_dim)
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+                                  bias=cfg.attention_bias, dtype=dtype, device=device)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, dtype=dtype, device=device)
+        self.backend = backend
+        self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q = apply_rotary(qkv[:, :q_size].view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, device):
+        super().__init__()
+        i = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {0: i, 1: i}, dtype=dtype, device=device)
+        self.down_proj = Linear(i, cfg.hidden_size, dtype=dtype, device=device)
+
+    def forward(self, x):
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend, dtype, device):
+        super().__init__()
+        self.self_attn = Attention(cfg, backend, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+
+    def forward(self, x, residual, cos, sin, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend, max_position: int, dtype, device):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device)
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions, x.dtype)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (our merged parameter, shard id)
+    stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int,
+                 dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, backend, max_position, dtype, device)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        if cfg.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def kv_caches(self) -> list:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.config.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            shard = None
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[-2] in self.stacked_params:
+                merged, shard = self.stacked_params[parts[-2]]
+                parts[-2] = merged
+                name = ".".join(parts)
+            param = params.get(name)
+            if param is None:
+                raise ConfigError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            loader(param, tensor.to(param.dtype), shard)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if self.config.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ConfigError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:8])}")

@@ -1,0 +1,52 @@
+"""Model loading: resolve the source, read its config, build the model, stream weights into it."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from tqdm import tqdm
+
+from tokenmill.model.loader import gguf_loader, hf_loader
+from tokenmill.model.loader.source import ModelSource, resolve_model
+from tokenmill.model.model_config import ModelConfig
+from tokenmill.model.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelSource", "resolve_model", "load_model_config", "build_model", "load_tokenizer"]
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "gguf":
+        return gguf_loader.load_config(source.path)
+    return hf_loader.load_config(source.path)
+
+
+def build_model(source: ModelSource, cfg: ModelConfig, attn_backend, max_position: int,
+                dtype: torch.dtype, device: torch.device, progress: bool = True) -> torch.nn.Module:
+    model_cls = get_model_class(cfg.architecture)
+    with torch.device(device):
+        model = model_cls(cfg, attn_backend, max_position, dtype=dtype, device=device)
+    if source.kind == "gguf":
+        weights = gguf_loader.iter_weights(source.path, cfg, dtype)
+        total = None
+    else:
+        weights = hf_loader.iter_weights(source.path, dtype)
+        total = hf_loader.count_tensors(source.path)
+    bar = tqdm(weights, total=total, desc=f"Loading {source.name}", unit=" tensors",
+               disable=not progress, leave=False)
+    model.load_weights((name, t.to(device)) for name, t in bar)
+    return model.eval()
+
+
+def load_tokenizer(source: ModelSource, override: str | None = None, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    if override:
+        path = override
+    elif source.kind == "gguf":
+        path = str(gguf_loader.tokenizer_dir(source.path))
+    else:
+        path = str(source.path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

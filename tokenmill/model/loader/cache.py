@@ -1,0 +1,59 @@
+"""The on-disk cache for what is slow to rebuild (GGUF metadata, converted tokenizers, assembled
+model files), keyed by the source file's sha256."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    root = os.environ.get("TOKENMILL_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill"
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, remembered by (path, size, mtime) so a big file is hashed once."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index = cache_root() / "hashes.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    digest = h.hexdigest()
+    known[key] = digest
+    try:
+        atomic_write_text(index, json.dumps(known))
+    except OSError:
+        pass  # a read-only cache only costs a re-hash
+    return digest
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def publish_dir(tmp_dir: Path, final: Path) -> None:
+    """Move a fully written directory into place; if another process won the race, keep theirs."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp_dir, final)
+    except OSError:
+        shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -1,0 +1,161 @@
+"""Load a GGUF file: metadata -> ModelConfig, tensors dequantized to the target dtype (Llama's Q/K
+row permutation undone), tokenizer and chat template converted by transformers.
+
+Parsing a GGUF header with `gguf.GGUFReader` and converting its tokenizer take seconds, so the
+first load writes the config, a tensor index and the tokenizer under the cache, keyed by the file's
+sha256; later loads memory-map the file and read tensors straight from the index.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenmill.errors import ConfigError
+from tokenmill.model.loader.cache import cache_root, file_sha256, publish_dir
+from tokenmill.model.model_config import ModelConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        mapped = _LAYER_NAMES.get(parts[2])
+        return mapped and f"model.layers.{parts[1]}.{mapped}.{parts[3]}"
+    mapped = _TOP_NAMES.get(parts[0])
+    return mapped and f"{mapped}.{parts[1]}"
+
+
+def _cache_dir(path: Path) -> Path:
+    return cache_root() / "gguf" / file_sha256(path)[:24]
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def _model_config(reader, tensors: dict[str, dict], name: str) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+
+    def p(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    hidden, heads = p("embedding_length"), p("attention.head_count")
+    kv_heads = p("attention.head_count_kv", heads)
+    scaling = None
+    kind = p("rope.scaling.type")
+    if kind in ("linear", "yarn"):
+        scaling = {"rope_type": kind, "factor": p("rope.scaling.factor"),
+                   "original_max_position_embeddings": p("rope.scaling.original_context_length")}
+    eos = [t for t in (_field(reader, "tokenizer.ggml.eos_token_id"),
+                       _field(reader, "tokenizer.ggml.eot_token_id")) if t is not None]
+    return ModelConfig(
+        architecture=ARCHITECTURES[arch],
+        vocab_size=tensors["token_embd.weight"]["shape"][0],
+        hidden_size=hidden,
+        intermediate_size=p("feed_forward_length"),
+        num_hidden_layers=p("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=p("attention.key_length", hidden // heads),
+        rms_norm_eps=p("attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=float(p("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=p("context_length", 4096),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias=arch == "qwen2",
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=sorted(set(eos)),
+        name=_field(reader, "general.name", name),
+    )
+
+
+def _build_cache(path: Path, target: Path) -> None:
+    import gguf
+    from transformers import AutoTokenizer
+
+    reader = gguf.GGUFReader(str(path))
+    tensors = {}
+    for t in reader.tensors:
+        tensors[t.name] = {"type": int(t.tensor_type), "offset": int(t.data_offset),
+                           "data_shape": list(t.data.shape), "data_dtype": str(t.data.dtype),
+                           "shape": [int(x) for x in reversed(t.shape.tolist())]}
+    cfg = _model_config(reader, tensors, path.stem)
+    if "rope_freqs.weight" in tensors:
+        factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight").data
+        cfg.rope_scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in factors]}
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+    (tmp / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (tmp / "tensors.json").write_text(json.dumps(tensors))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(tmp / "tokenizer"))
+    publish_dir(tmp, target)
+
+
+def prepare(path: Path) -> Path:
+    """The cache folder of this GGUF file (built on first use)."""
+    target = _cache_dir(path)
+    if not (target / "tensors.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _build_cache(path, target)
+    return target
+
+
+def load_config(path: Path) -> ModelConfig:
+    return ModelConfig.from_dict(json.loads((prepare(path) / "config.json").read_text()))
+
+
+def tokenizer_dir(path: Path) -> Path:
+    return prepare(path) / "tokenizer"
+
+
+def _undo_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp interleaves the rotary halves of Q/K rows; restore Hugging Face's layout."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) pairs, dequantized on a small thread pool (numpy releases the GIL)."""
+    from gguf.quants import dequantize
+
+    index = json.loads((prepare(path) / "tensors.json").read_text())
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    permute = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+
+    def load(item):
+        name, t = item
+        dt = np.dtype(t["data_dtype"])
+        count = int(np.prod(t["data_shape"]))
+        raw = np.frombuffer(data, dtype=dt, count=count, offset=t["offset"]).reshape(t["data_shape"])
+        arr = dequantize(raw, t["type"]).reshape(t["shape"])
+        hf = hf_tensor_name(name)
+        if permute and hf.endswith("q_proj.weight"):
+            arr = _undo_llama_permute(arr, cfg.num_attention_heads)
+        elif permute and hf.endswith("k_proj.weight"):
+            arr = _undo_llama_permute(arr, cfg.num_key_value_heads)
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not arr.flags.writeable:  # a view of the read-only map (unquantized tensors)
+            arr = arr.copy()
+        return hf, torch.from_numpy(arr).to(dtype)
+
+    items = [(n, t) for n, t in index.items() if hf_tensor_name(n) is not None]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield from pool.map(load, items)

@@ -1,0 +1,107 @@
+"""Turns a SchedulerOutput into one flat batch, runs the model once, and samples.
+
+The flat batch holds every scheduled sequence's new tokens back to back, decodes (one token)
+first, then prefill chunks: token ids, positions, the cache slot of every token, and per sequence
+the query length, context length and block table. No padding between sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.model.attention.backend import AttentionBackend, BatchLayout
+from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
+
+_PROMPT_LOGITS_CHUNK = 256  # rows of full-vocab logits materialized at once for prompt logprobs
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, tuple] = field(default_factory=dict)
+    # request id -> (position of the first entry, entries); position p scores prompt token p
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, block_size: int,
+                 vocab_size: int, device: torch.device, seed: int):
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.device = device
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self.kv_cache: torch.Tensor | None = None
+
+    def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        layers = self.model.kv_caches()
+        # zeros, not empty: masked-out slots are still read, and garbage NaNs would poison softmax
+        self.kv_cache = torch.zeros(len(layers), 2, num_blocks, self.block_size, num_kv_heads, head_dim,
+                                    dtype=dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.kv_cache = self.kv_cache[i]
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        batch = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)  # decodes first (stable)
+        input_ids, positions, layout = self.prepare_inputs(batch)
+        meta = self.backend.build_metadata(layout)
+        hidden = self.model(input_ids, positions, meta)
+
+        out = RunnerOutput()
+        ends = np.cumsum(layout.query_lens)
+        rows = [i for i, s in enumerate(batch) if s.samples]
+        if rows:
+            idx = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
+            logits = self.model.compute_logits(hidden[idx])
+            reqs = [batch[i].request for i in rows]
+            result = self.sampler(logits, SamplingBatch.build(reqs, self.vocab_size, self.device))
+            for req, tok, lp in zip(reqs, result.token_ids, result.logprobs):
+                out.sampled[req.request_id] = tok
+                if lp is not None:
+                    out.logprobs[req.request_id] = lp
+        for i, s in enumerate(batch):
+            if s.request.params.prompt_logprobs is not None:
+                self._prompt_logprobs(s, hidden, int(ends[i]) - s.num_tokens, out)
+        return out
+
+    def prepare_inputs(self, batch: list[ScheduledRequest]):
+        bs = self.block_size
+        ids, pos, slots, q_lens, seq_lens, tables = [], [], [], [], [], []
+        for s in batch:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+            ids.extend(r.all_token_ids[start:end])
+            p = np.arange(start, end)
+            table = np.asarray(s.block_ids)
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            q_lens.append(s.num_tokens)
+            seq_lens.append(end)
+            tables.append(s.block_ids)
+        dev = self.device
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.from_numpy(np.concatenate(pos)).to(dev)
+        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(dev)
+        num_decodes = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))  # the leading ones
+        return input_ids, positions, BatchLayout(q_lens, seq_lens, tables, slot_mapping, num_decodes)
+
+    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, row0: int, out: RunnerOutput):
+        """Position p's logits score prompt token p + 1."""
+        r = s.request
+        start = r.num_computed_tokens
+        end = min(start + s.num_tokens, r.num_prompt_tokens - 1)
+        if end <= start:
+            return
+        entries = []
+        for a in range(start, end, _PROMPT_LOGITS_CHUNK):
+            b = min(a + _PROMPT_LOGITS_CHUNK, end)
+            logits = self.model.compute_logits(hidden[row0 + a - start: row0 + b - start])
+            targets = torch.tensor(r.all_token_ids[a + 1:b + 1], device=self.device)
+            entries.extend(prompt_logprobs(logits, targets, r.params.prompt_logprobs))
+        out.prompt_logprobs[r.request_id] = (start + 1, entries)

@@ -1,0 +1,182 @@
+"""Batched sampling with per-request parameters (vLLM/OpenAI semantics).
+
+Order: logit bias -> min_tokens (ban stop tokens) -> penalties -> greedy argmax, or temperature ->
+top-k -> top-p -> min-p -> sample. A random draw is one uniform per row, from the request's own
+generator when it has a seed, so a seeded request's samples do not depend on the batch.
+Logprobs are of the raw model distribution (before any processing), as vLLM reports by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.core.request import Request
+
+
+@dataclass
+class SamplingBatch:
+    requests: list[Request]
+    temperature: torch.Tensor  # [B], 1.0 on greedy rows
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [B] long, vocab size = off
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    max_logprobs: int  # -1: no row wants logprobs
+
+    @classmethod
+    def build(cls, requests: list[Request], vocab_size: int, device) -> SamplingBatch:
+        ps = [r.params for r in requests]
+        greedy = [p.greedy for p in ps]
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
+        top_p = [p.top_p for p in ps]
+        min_p = [p.min_p for p in ps]
+        lp = [p.logprobs for p in ps if p.logprobs is not None]
+
+        def t(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            requests=requests,
+            temperature=t([1.0 if g else p.temperature for g, p in zip(greedy, ps)]),
+            greedy=t(greedy, torch.bool),
+            all_greedy=all(greedy),
+            top_k=t(top_k, torch.long) if any(k < vocab_size for k in top_k) else None,
+            top_p=t(top_p) if any(p < 1.0 for p in top_p) else None,
+            min_p=t(min_p) if any(p > 0.0 for p in min_p) else None,
+            max_logprobs=max(lp) if lp else -1,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: (token ids [k+1], logprobs [k+1], rank of the sampled token); sampled token first
+    logprobs: list[tuple[list[int], list[float], int] | None]
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator  # for requests without a seed
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
+        logits = self._process(logits, batch)
+        if batch.all_greedy:
+            sampled = logits.max(dim=-1).indices  # max() is ~2.5x faster than argmax() on CPU
+        else:
+            sampled = self._sample(logits, batch)
+            if batch.greedy.any():
+                sampled = torch.where(batch.greedy, logits.max(dim=-1).indices, sampled)
+        token_ids = sampled.tolist()
+        logprobs = self._logprobs(raw_logprobs, sampled, batch) if raw_logprobs is not None else [None] * len(token_ids)
+        return SamplerOutput(token_ids, logprobs)
+
+    # --- logits processing ------------------------------------------------------------------------
+    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        for i, req in enumerate(batch.requests):
+            p = req.params
+            if p.logit_bias:
+                ids = torch.tensor(list(p.logit_bias), device=logits.device)
+                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
+            if req.num_output_tokens < p.min_tokens:
+                stops = list(p._all_stop_token_ids | (set() if p.ignore_eos else req.eos_token_ids))
+                if stops:
+                    logits[i, stops] = float("-inf")
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(req.all_token_ids)), device=logits.device)
+                row = logits[i, seen]
+                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+                ids, counts = torch.tensor(req.output_token_ids, device=logits.device).unique(return_counts=True)
+                logits[i, ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+        return logits
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        probs = (logits / batch.temperature.unsqueeze(1)).softmax(dim=-1)
+        if batch.top_k is not None:
+            k_max = int(batch.top_k.max())
+            top = torch.topk(probs, k_max, dim=-1).values
+            kth = top.gather(1, (batch.top_k.clamp(max=k_max) - 1).unsqueeze(1))
+            probs = probs.masked_fill(probs < kth, 0.0)
+        if batch.top_p is not None:
+            probs = probs.masked_fill(probs < _top_p_threshold(probs, batch.top_p), 0.0)
+        if batch.min_p is not None:
+            floor = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        # Inverse-CDF sampling: one uniform draw per row (a full-vocab Exp/Gumbel draw costs ~50 ms
+        # per step on CPU). The CDF need not be normalized: u is scaled by its total.
+        cdf = probs.cumsum(dim=-1)
+        u = torch.empty(len(batch.requests), device=probs.device)
+        seeded = [i for i, r in enumerate(batch.requests) if r.generator is not None]
+        if len(seeded) < len(batch.requests):
+            u.uniform_(generator=self.generator)
+        for i in seeded:
+            u[i:i + 1].uniform_(generator=batch.requests[i].generator)
+        u = (u * cdf[:, -1]).unsqueeze(1)
+        return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+    # --- logprobs ---------------------------------------------------------------------------------
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch):
+        k = batch.max_logprobs
+        chosen = raw.gather(1, sampled.unsqueeze(1))
+        ranks = (raw > chosen).sum(dim=-1) + 1
+        top_vals, top_ids = torch.topk(raw, k, dim=-1) if k > 0 else (None, None)
+        chosen_l, ranks_l, sampled_l = chosen.squeeze(1).tolist(), ranks.tolist(), sampled.tolist()
+        top_vals_l = top_vals.tolist() if k > 0 else None
+        top_ids_l = top_ids.tolist() if k > 0 else None
+        out = []
+        for i, req in enumerate(batch.requests):
+            n = req.params.logprobs
+            if n is None:
+                out.append(None)
+                continue
+            ids = [sampled_l[i]] + (top_ids_l[i][:n] if n else [])
+            vals = [chosen_l[i]] + (top_vals_l[i][:n] if n else [])
+            out.append((ids, vals, ranks_l[i]))
+        return out
+
+
+_TOP_P_CANDIDATES = 256
+
+
+def _top_p_threshold(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest probability inside the nucleus: the fewest most likely tokens whose
+    mass reaches top_p (of the row's remaining mass). Looks at the top candidates first; only rows
+    whose nucleus is wider fall back to a full sort (~1.5 ms a row on CPU)."""
+    mass = probs.sum(dim=-1, keepdim=True)
+    k = min(_TOP_P_CANDIDATES, probs.shape[1])
+    vals = torch.topk(probs, k, dim=-1).values
+    threshold = _nucleus_floor(vals, mass, top_p)
+    wide = (vals.cumsum(dim=-1)[:, -1:] / mass < top_p.unsqueeze(1)).squeeze(1)
+    if wide.any():
+        rows = wide.nonzero().squeeze(1)
+        full = probs[rows].sort(dim=-1, descending=True).values
+        threshold[rows] = _nucleus_floor(full, mass[rows], top_p[rows])
+    return threshold
+
+
+def _nucleus_floor(sorted_vals: torch.Tensor, mass: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    cum = sorted_vals.cumsum(dim=-1) / mass
+    # keep a token while the mass before it is below top_p (the top token always stays)
+    keep = (cum - sorted_vals / mass) < top_p.unsqueeze(1)
+    last = keep.sum(dim=-1, keepdim=True).clamp(min=1) - 1
+    return sorted_vals.gather(1, last)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
+    """Logprob of each next prompt token and the top-k at each position.
+    Returns per position (token ids, logprobs, rank of the target), target first."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, targets.unsqueeze(1))
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    chosen_l, targets_l = chosen.squeeze(1).tolist(), targets.tolist()
+    if k > 0:
+        vals, ids = torch.topk(lp, k, dim=-1)
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+    return [([targets_l[j]] + (ids_l[j] if k else []), [chosen_l[j]] + (vals_l[j] if k else []), ranks[j])
+            for j in range(len(targets_l))]

@@ -1,0 +1,87 @@
+"""The worker owns the device: it loads the model, sizes and allocates the KV cache from the
+memory budget, and runs the model through its ModelRunner."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from tokenmill.config import EngineConfig, available_memory_bytes
+from tokenmill.errors import ConfigError
+from tokenmill.model.attention import get_attention_backend
+from tokenmill.model.loader import ModelSource, build_model
+from tokenmill.model.model_config import ModelConfig
+from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_KV_BYTES = 4 * 2**30
+_MAX_DEFAULT_MODEL_LEN = 8192
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    if config.max_model_len is None:
+        return min(model_config.max_position_embeddings, _MAX_DEFAULT_MODEL_LEN)
+    if config.max_model_len > model_config.max_position_embeddings and not model_config.rope_scaling:
+        logger.warning("max_model_len %d exceeds the model's context %d", config.max_model_len,
+                       model_config.max_position_embeddings)
+    return config.max_model_len
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True):
+        self.config = config
+        self.model_config = model_config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.max_model_len = resolve_max_model_len(config, model_config)
+        t0 = time.monotonic()
+        self.backend = get_attention_backend("auto", config.block_size, self.device)
+        self.model = build_model(source, model_config, self.backend, self.max_model_len, self.dtype,
+                                 self.device, progress=progress)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("loaded %s (%s, %s, %.0f MiB of weights) in %.1fs", source.name, self.dtype,
+                    self.device, self.weight_bytes / 2**20, time.monotonic() - t0)
+        self.runner = ModelRunner(self.model, self.backend, config.block_size, model_config.vocab_size,
+                                  self.device, config.seed)
+        self.num_blocks = self._num_kv_blocks()
+        self.runner.allocate_kv_cache(self.num_blocks, model_config.num_key_value_heads,
+                                      model_config.head_dim, self.dtype)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model_config.kv_bytes_per_token * self.dtype.itemsize
+
+    def _kv_budget(self) -> int:
+        c = self.config
+        if c.kv_cache_memory is not None:
+            return c.kv_cache_memory
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            util = c.memory_utilization or 0.9
+            return int(total * util) - (total - free)
+        available = available_memory_bytes()
+        if c.memory_utilization is not None:
+            # the fraction covers weights + KV; the weights are already resident
+            return int((available + self.weight_bytes) * c.memory_utilization) - self.weight_bytes
+        return min(_DEFAULT_KV_BYTES, available // 2)
+
+    def _num_kv_blocks(self) -> int:
+        bs = self.config.block_size
+        budget = self._kv_budget()
+        num_blocks = max(budget, 0) // (bs * self.kv_bytes_per_token)
+        capacity = num_blocks * bs
+        if capacity < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {capacity} tokens, fewer than "
+                f"max_model_len={self.max_model_len} ({self.kv_bytes_per_token} bytes per token): raise "
+                f"--kv-cache-memory / --memory-utilization or lower --max-model-len")
+        logger.info("KV cache: %.1f MiB budget, %d bytes/token, %d blocks of %d tokens (%d tokens); "
+                    "max concurrency at max_model_len=%d: %.1fx", budget / 2**20, self.kv_bytes_per_token,
+                    num_blocks, bs, capacity, self.max_model_len, capacity / self.max_model_len)
+        return num_blocks
