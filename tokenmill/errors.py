@@ -63,6 +63,17 @@ class EngineDeadError(TokenmillError):
     error_type = "internal_error"
 
 
+class EngineStepError(TokenmillError):
+    """One engine step raised: the requests of its batch failed, the engine goes on."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, request_ids: list[str]):
+        super().__init__(message)
+        self.request_ids = request_ids
+
+
 class RequestTimeoutError(TokenmillError):
     status_code = 408
     error_type = "timeout"

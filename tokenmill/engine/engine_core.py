@@ -13,6 +13,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerStats
 from tokenmill.engine.output_processor import EngineCoreOutput
+from tokenmill.errors import EngineStepError
 from tokenmill.model.loader import ModelSource
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.worker.worker import Worker
@@ -48,12 +49,13 @@ class EngineCore:
             return []
         try:
             result = self.worker.runner.execute(sched)
-        except Exception:
+        except Exception as e:
             # The batch's KV may be half written: fail its requests and forget cached blocks.
             ids = [s.request.request_id for s in sched.scheduled]
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             self.kv.pool.reset_prefix_cache()
-            raise
+            logger.exception("engine step failed; aborting %d request(s)", len(ids))
+            raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}", ids) from e
         self.num_steps += 1
         self.scheduler.update(sched, result.sampled)
         outs = []

@@ -14,7 +14,7 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.stats import IterationStats, StatLogger
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import EngineStepError, InvalidRequestError
 from tokenmill.model.loader import load_model_config, load_tokenizer, resolve_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -80,7 +80,12 @@ class LLMEngine:
 
     # --- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        core_outs = self.core.step()
+        try:
+            core_outs = self.core.step()
+        except EngineStepError as e:  # report the failed requests by the ids their callers know
+            e.request_ids = self.output_processor.parents_of(e.request_ids)
+            self.output_processor.abort(e.request_ids)
+            raise
         outputs, to_abort, it_stats = self.output_processor.process(core_outs, time.monotonic())
         if to_abort:  # stop strings: the core keeps generating until told
             self.core.abort_requests(to_abort)

@@ -81,6 +81,9 @@ class OutputProcessor:
                     out.append(cid)
         return out
 
+    def parents_of(self, child_ids) -> list[str]:
+        return list(dict.fromkeys(self.child_of[c][0].p.request_id for c in child_ids if c in self.child_of))
+
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

@@ -1,0 +1,159 @@
+"""The asyncio engine: one engine thread runs `LLMEngine.step()` in a loop; the event loop only
+submits requests and receives outputs, so an HTTP front end stays responsive while the model runs.
+
+`generate()` is an async iterator of incremental outputs; when its consumer stops iterating
+(client gone, timeout, cancellation) the request is aborted and its KV blocks freed in the next
+step. A failing step fails only its batch's requests; an error outside a step kills the engine
+(`errored`), fails every request, and later calls raise EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.errors import EngineDeadError, EngineStepError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue] = {}  # event-loop thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, **kwargs) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(**kwargs))
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume outputs."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted to a batch (read from the event loop; approximate by design)."""
+        return len(self.engine.core.scheduler.waiting) + self._inbox.qsize()
+
+    # --- requests ---------------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        if self.dead_error is not None:
+            raise EngineDeadError("the engine is not running") from self.dead_error
+        if params.output_kind == RequestOutputKind.CUMULATIVE:  # streams carry deltas
+            params = copy.copy(params)
+            params.output_kind = RequestOutputKind.DELTA
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is in flight")
+        processed = self.engine.process(request_id, prompt, params, add_special_tokens=add_special_tokens)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._submit(("add", processed))
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped it
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def _submit(self, op) -> None:
+        self._inbox.put(op)
+        self._wake.set()
+
+    # --- engine thread ----------------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.engine.add_processed(arg)
+            else:
+                self.engine.abort_request(arg)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except EngineStepError as e:
+                    self._post(self._fail, e.request_ids, e)
+                    continue
+                if outputs:
+                    self._post(self._dispatch, outputs)
+        except BaseException as e:  # a bug outside the model step: the engine state is suspect
+            logger.exception("engine loop died")
+            self.dead_error = e
+            self._post(self._fail, None, EngineDeadError(f"engine died: {type(e).__name__}: {e}"))
+
+    def _post(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed (shutdown)
+            pass
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+
+    def _fail(self, request_ids, error: BaseException) -> None:
+        for rid in list(self._streams) if request_ids is None else request_ids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put_nowait(error)
