@@ -67,6 +67,9 @@ class EngineConfig:
     num_threads: int | None = _opt("Torch intra-op threads (default: all cores).", default=None)
     max_logprobs: int = _opt("Most logprobs a request may ask for.", default=20)
     trust_remote_code: bool = _opt("Allow tokenizers with custom code.", default=False)
+    attention_backend: str = _opt("Attention kernels: auto (cpu_paged on CPU when its C++ kernel builds, else "
+                                  "torch_sdpa), cpu_paged, torch_sdpa.", default="auto",
+                                  meta={"choices": ["auto", "cpu_paged", "torch_sdpa"]})
 
     def __post_init__(self):
         self.validate()

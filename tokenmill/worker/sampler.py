@@ -65,12 +65,13 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         logits = self._process(logits, batch)
+        greedy = logits.max(dim=-1).indices if batch.greedy.any() else None  # max() is ~2.5x faster than argmax()
         if batch.all_greedy:
-            sampled = logits.max(dim=-1).indices  # max() is ~2.5x faster than argmax() on CPU
+            sampled = greedy
         else:
-            sampled = self._sample(logits, batch)
-            if batch.greedy.any():
-                sampled = torch.where(batch.greedy, logits.max(dim=-1).indices, sampled)
+            sampled = self._sample(logits, batch)  # consumes logits
+            if greedy is not None:
+                sampled = torch.where(batch.greedy, greedy, sampled)
         token_ids = sampled.tolist()
         logprobs = self._logprobs(raw_logprobs, sampled, batch) if raw_logprobs is not None else [None] * len(token_ids)
         return SamplerOutput(token_ids, logprobs)
@@ -96,20 +97,21 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        probs = (logits / batch.temperature.unsqueeze(1)).softmax(dim=-1)
+        # In place on the (fresh, per-step) logits: no new vocab-sized buffers.
+        probs = logits.div_(batch.temperature.unsqueeze(1))
+        probs = probs.sub_(probs.max(dim=-1, keepdim=True).values).exp_()  # unnormalized: max is 1
         if batch.top_k is not None:
             k_max = int(batch.top_k.max())
             top = torch.topk(probs, k_max, dim=-1).values
             kth = top.gather(1, (batch.top_k.clamp(max=k_max) - 1).unsqueeze(1))
-            probs = probs.masked_fill(probs < kth, 0.0)
+            probs.masked_fill_(probs < kth, 0.0)
         if batch.top_p is not None:
-            probs = probs.masked_fill(probs < _top_p_threshold(probs, batch.top_p), 0.0)
+            probs.masked_fill_(probs < _top_p_threshold(probs, batch.top_p), 0.0)
         if batch.min_p is not None:
-            floor = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < floor, 0.0)
+            probs.masked_fill_(probs < batch.min_p.unsqueeze(1), 0.0)  # the top token's weight is 1
         # Inverse-CDF sampling: one uniform draw per row (a full-vocab Exp/Gumbel draw costs ~50 ms
         # per step on CPU). The CDF need not be normalized: u is scaled by its total.
-        cdf = probs.cumsum(dim=-1)
+        cdf = probs.cumsum_(dim=-1)
         u = torch.empty(len(batch.requests), device=probs.device)
         seeded = [i for i, r in enumerate(batch.requests) if r.generator is not None]
         if len(seeded) < len(batch.requests):

@@ -4,7 +4,6 @@ memory budget, and runs the model through its ModelRunner."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -14,6 +13,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.model.attention import get_attention_backend
 from tokenmill.model.loader import ModelSource, build_model
 from tokenmill.model.model_config import ModelConfig
+from tokenmill.worker.cpu_env import configure_cpu
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -38,15 +38,16 @@ class Worker:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            configure_cpu(config.num_threads)
         self.max_model_len = resolve_max_model_len(config, model_config)
         t0 = time.monotonic()
-        self.backend = get_attention_backend("auto", config.block_size, self.device)
+        self.backend = get_attention_backend(config.attention_backend, config.block_size, self.device,
+                                             model_config.head_dim)
         self.model = build_model(source, model_config, self.backend, self.max_model_len, self.dtype,
                                  self.device, progress=progress)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        logger.info("loaded %s (%s, %s, %.0f MiB of weights) in %.1fs", source.name, self.dtype,
-                    self.device, self.weight_bytes / 2**20, time.monotonic() - t0)
+        self.weight_bytes = self.model.weight_bytes
+        logger.info("loaded %s (%s, %s, %.0f MiB of weights, %s attention) in %.1fs", source.name, self.dtype,
+                    self.device, self.weight_bytes / 2**20, self.backend.name, time.monotonic() - t0)
         self.runner = ModelRunner(self.model, self.backend, config.block_size, model_config.vocab_size,
                                   self.device, config.seed)
         self.num_blocks = self._num_kv_blocks()

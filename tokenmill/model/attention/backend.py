@@ -8,10 +8,17 @@ each query to its sequence's cached context (`forward`). The flat batch is order
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+
+from tokenmill.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "cpu_paged", "torch_sdpa")
 
 
 @dataclass
@@ -46,12 +53,15 @@ class AttentionBackend(ABC):
         Returns [T, H * D]."""
 
 
-def get_attention_backend(name: str, block_size: int, device: torch.device) -> AttentionBackend:
+def get_attention_backend(name: str, block_size: int, device: torch.device, head_dim: int) -> AttentionBackend:
+    from tokenmill.model.attention.cpu_paged import CPUPagedBackend
     from tokenmill.model.attention.torch_sdpa import TorchSDPABackend
 
-    backends = {TorchSDPABackend.name: TorchSDPABackend}
-    if name == "auto":
-        name = TorchSDPABackend.name
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; have {sorted(backends)}")
-    return backends[name](block_size, device)
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown attention backend {name!r}; choose from {', '.join(BACKENDS)}")
+    if name in ("auto", "cpu_paged") and device.type == "cpu":
+        if CPUPagedBackend.available(device, head_dim):
+            return CPUPagedBackend(block_size, device)
+        if name == "cpu_paged":
+            raise ConfigError("the cpu_paged attention backend is unavailable here (see the warning above)")
+    return TorchSDPABackend(block_size, device)

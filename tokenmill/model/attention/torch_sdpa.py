@@ -26,80 +26,91 @@ class PrefillChunk:
 
 
 @dataclass
+class GatheredDecodes:
+    block_ids: torch.Tensor  # [num_decodes * max_blocks], padded with block 0
+    length: int  # max_blocks * block_size
+    mask: torch.Tensor  # [num_decodes, 1, 1, length]
+
+
+@dataclass
 class SDPAMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor
     num_decodes: int
-    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks], padded with block 0
-    decode_len: int  # max_blocks * block_size
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, decode_len]
+    decodes: object  # backend-specific decode data (None when there are no decodes)
     prefills: list[PrefillChunk]
+
+
+def padded_block_table(tables: list[list[int]], lens: list[int], block_size: int) -> torch.Tensor:
+    """[n, max_blocks] int64 block ids covering each sequence's length, padded with block 0."""
+    max_blocks = (max(lens) + block_size - 1) // block_size
+    out = torch.zeros(len(lens), max_blocks, dtype=torch.long)
+    for i, (table, n) in enumerate(zip(tables, lens)):
+        nb = (n + block_size - 1) // block_size
+        out[i, :nb] = torch.tensor(table[:nb], dtype=torch.long)
+    return out
 
 
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
     def build_metadata(self, layout: BatchLayout) -> SDPAMetadata:
-        dev, bs = self.device, self.block_size
         nd = layout.num_decodes
-        decode_ids = decode_mask = None
-        decode_len = 0
-        if nd:
-            lens = layout.seq_lens[:nd]
-            max_blocks = (max(lens) + bs - 1) // bs
-            decode_len = max_blocks * bs
-            ids = torch.zeros(nd, max_blocks, dtype=torch.long)
-            for i, table in enumerate(layout.block_tables[:nd]):
-                n = (lens[i] + bs - 1) // bs
-                ids[i, :n] = torch.tensor(table[:n], dtype=torch.long)
-            decode_ids = ids.view(-1).to(dev)
-            decode_mask = (torch.arange(decode_len)[None, :] < torch.tensor(lens)[:, None]).to(dev)
-            decode_mask = decode_mask.view(nd, 1, 1, decode_len)
-        prefills = []
-        start = nd
-        for i in range(nd, len(layout.query_lens)):
+        decodes = self._decode_metadata(layout.block_tables[:nd], layout.seq_lens[:nd]) if nd else None
+        return SDPAMetadata(layout.slot_mapping, nd, decodes, self._prefill_metadata(layout))
+
+    def _decode_metadata(self, tables: list[list[int]], lens: list[int]) -> GatheredDecodes:
+        ids = padded_block_table(tables, lens, self.block_size)
+        length = ids.shape[1] * self.block_size
+        mask = torch.arange(length)[None, :] < torch.tensor(lens)[:, None]
+        return GatheredDecodes(ids.view(-1).to(self.device), length, mask.view(len(lens), 1, 1, length).to(self.device))
+
+    def _prefill_metadata(self, layout: BatchLayout) -> list[PrefillChunk]:
+        dev, bs = self.device, self.block_size
+        prefills, start = [], layout.num_decodes
+        for i in range(layout.num_decodes, len(layout.query_lens)):
             q_len, ctx = layout.query_lens[i], layout.seq_lens[i]
             block_ids = mask = None
             if ctx > q_len:
                 n = (ctx + bs - 1) // bs
                 block_ids = torch.tensor(layout.block_tables[i][:n], dtype=torch.long, device=dev)
-                offset = ctx - q_len
                 mask = (torch.arange(ctx, device=dev)[None, :]
-                        <= torch.arange(offset, ctx, device=dev)[:, None])
+                        <= torch.arange(ctx - q_len, ctx, device=dev)[:, None])
             prefills.append(PrefillChunk(start, start + q_len, ctx, block_ids, mask))
             start += q_len
-        return SDPAMetadata(layout.slot_mapping, nd, decode_ids, decode_len, decode_mask, prefills)
+        return prefills
 
     def forward(self, q, k, v, kv_cache, meta: SDPAMetadata, scale: float) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
+        gqa = num_heads != num_kv_heads
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # Write this step's K/V into their slots first: every read below sees them.
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            kd = self._gather(k_cache, meta.decode_block_ids, nd, meta.decode_len)
-            vd = self._gather(v_cache, meta.decode_block_ids, nd, meta.decode_len)
-            qd = q[:nd].unsqueeze(2)  # [nd, H, 1, D]
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                                enable_gqa=num_heads != num_kv_heads)
-            out[:nd] = od.squeeze(2)
+        if meta.num_decodes:
+            self._decode(q, out, k_cache, v_cache, meta, scale)
         for p in meta.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
             if p.block_ids is None:
                 kp = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
                 vp = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                                    enable_gqa=num_heads != num_kv_heads)
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
                 kp = self._gather(k_cache, p.block_ids, 1, p.ctx_len)
                 vp = self._gather(v_cache, p.block_ids, 1, p.ctx_len)
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale,
-                                                    enable_gqa=num_heads != num_kv_heads)
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
             out[p.start:p.end] = op.squeeze(0).transpose(0, 1)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _decode(self, q, out, k_cache, v_cache, meta: SDPAMetadata, scale: float) -> None:
+        nd, d = meta.num_decodes, meta.decodes
+        kd = self._gather(k_cache, d.block_ids, nd, d.length)
+        vd = self._gather(v_cache, d.block_ids, nd, d.length)
+        od = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), kd, vd, attn_mask=d.mask, scale=scale,
+                                            enable_gqa=q.shape[1] != kd.shape[1])
+        out[:nd] = od.squeeze(2)
 
     @staticmethod
     def _gather(cache: torch.Tensor, block_ids: torch.Tensor, batch: int, length: int) -> torch.Tensor:

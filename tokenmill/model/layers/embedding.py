@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.layers.linear import default_weight_loader
+from tokenmill.model.layers.linear import can_prepack, default_weight_loader
 
 
 class VocabEmbedding(nn.Module):
@@ -21,8 +21,17 @@ class VocabEmbedding(nn.Module):
 class LMHead(VocabEmbedding):
     """Projects hidden states to vocabulary logits (fp32, for sampling). May share the embedding."""
 
+    packed_weight: torch.Tensor | None = None
+
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
+    def process_weights_after_loading(self) -> None:
+        # a packed copy (the embedding may share the plain weight): ~2x faster at decode batch sizes
+        if can_prepack(self.weight):
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "").float()
         return F.linear(hidden, self.weight).float()

@@ -37,6 +37,10 @@ def build_model(source: ModelSource, cfg: ModelConfig, attn_backend, max_positio
     bar = tqdm(weights, total=total, desc=f"Loading {source.name}", unit=" tensors",
                disable=not progress, leave=False)
     model.load_weights((name, t.to(device)) for name, t in bar)
+    model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if hasattr(module, "process_weights_after_loading"):
+            module.process_weights_after_loading()
     return model.eval()
 
 

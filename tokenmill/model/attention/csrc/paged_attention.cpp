@@ -1,0 +1,230 @@
+// Paged decode attention for CPU: each query token attends to its sequence's K/V read in place
+// from the block-paged cache (no gather copy). One task per (sequence, kv head) on torch's
+// intra-op thread pool; the G query heads of a kv head share every K/V load. Two passes over the
+// keys (scores, then exp with a vectorized exp) and one over the values.
+// Built at first use by tokenmill/model/attention/kernels.py; see cpu_paged.py for the caller.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = fVec::size();
+
+// Load `n` (a multiple of kVec) elements as floats.
+template <typename T>
+inline void load_floats(const T* src, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < n; i += kVec) fVec::loadu(src + i).store(dst + i);
+  } else {
+    using tVec = at::vec::Vectorized<T>;
+    for (int64_t i = 0; i < n; i += tVec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(tVec::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + kVec);
+    }
+  }
+}
+
+template <typename T>
+void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                      const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t BS,
+                      int64_t max_blocks, float scale) {
+  const int64_t G = H / Hkv;
+  const int64_t row = Hkv * D;  // elements between consecutive tokens of a block
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), kv(D), acc(G * D), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t L = seq_lens[b];
+      const int64_t* table = block_tables + b * max_blocks;
+      load_floats(q + (b * H + h * G) * D, qf.data(), G * D);
+      for (int64_t i = 0; i < G * D; i += kVec) (fVec::loadu(qf.data() + i) * fVec(scale)).store(qf.data() + i);
+      scores.resize(G * L);
+      // scores = q . k
+      for (int64_t t = 0; t < L; ++t) {
+        load_floats(k_cache + (table[t / BS] * BS + t % BS) * row + h * D, kv.data(), D);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          fVec s(0.f);
+          for (int64_t d = 0; d < D; d += kVec) s = at::vec::fmadd(fVec::loadu(qg + d), fVec::loadu(kv.data() + d), s);
+          scores[g * L + t] = at::vec::vec_reduce_all<float>([](fVec& a, fVec& c) { return a + c; }, s);
+        }
+      }
+      // softmax numerators, vectorized exp
+      std::vector<float> inv(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        float m = -INFINITY;
+        for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+        fVec vsum(0.f);
+        int64_t t = 0;
+        for (; t + kVec <= L; t += kVec) {
+          fVec e = (fVec::loadu(sg + t) - fVec(m)).exp_u20();
+          e.store(sg + t);
+          vsum = vsum + e;
+        }
+        float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& c) { return a + c; }, vsum);
+        for (; t < L; ++t) {
+          sg[t] = std::exp(sg[t] - m);
+          sum += sg[t];
+        }
+        inv[g] = 1.f / sum;
+      }
+      // out = softmax . v
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = 0; t < L; ++t) {
+        load_floats(v_cache + (table[t / BS] * BS + t % BS) * row + h * D, kv.data(), D);
+        for (int64_t g = 0; g < G; ++g) {
+          const fVec p(scores[g * L + t]);
+          float* ag = acc.data() + g * D;
+          for (int64_t d = 0; d < D; d += kVec)
+            at::vec::fmadd(p, fVec::loadu(kv.data() + d), fVec::loadu(ag + d)).store(ag + d);
+        }
+      }
+      T* o = out + (b * H + h * G) * D;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] = static_cast<T>(acc[g * D + d] * inv[g]);
+    }
+  });
+}
+
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// bf16 fast path for head_dim = 16 * NV (64 -> 4, 128 -> 8) and up to 8 query heads per kv head.
+template <int NV>
+void decode_attention_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k_cache,
+                           const at::BFloat16* v_cache, const int64_t* block_tables, const int64_t* seq_lens,
+                           int64_t B, int64_t H, int64_t Hkv, int64_t BS, int64_t max_blocks, float scale) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t G = H / Hkv;
+  const int64_t row = Hkv * D;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv;
+      const int64_t L = seq_lens[b];
+      const int64_t* table = block_tables + b * max_blocks;
+      __m512 qv[8][NV];
+      for (int64_t g = 0; g < G; ++g)
+        for (int j = 0; j < NV; ++j)
+          qv[g][j] = _mm512_mul_ps(bf16x16_to_f32(q + (b * H + h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
+      scores.resize(G * L);
+      float m[8];
+      for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY;
+      for (int64_t t = 0; t < L; ++t) {
+        const at::BFloat16* k = k_cache + (table[t / BS] * BS + t % BS) * row + h * D;
+        __m512 kv[NV];
+        for (int j = 0; j < NV; ++j) kv[j] = bf16x16_to_f32(k + 16 * j);
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+          for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
+          const float sc = _mm512_reduce_add_ps(acc);
+          scores[g * L + t] = sc;
+          m[g] = sc > m[g] ? sc : m[g];
+        }
+      }
+      float inv[8];
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        fVec vsum(0.f);
+        int64_t t = 0;
+        for (; t + kVec <= L; t += kVec) {
+          fVec e = (fVec::loadu(sg + t) - fVec(m[g])).exp_u20();
+          e.store(sg + t);
+          vsum = vsum + e;
+        }
+        float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& c) { return a + c; }, vsum);
+        for (; t < L; ++t) {
+          sg[t] = std::exp(sg[t] - m[g]);
+          sum += sg[t];
+        }
+        inv[g] = 1.f / sum;
+      }
+      __m512 acc[8][NV];
+      for (int64_t g = 0; g < G; ++g)
+        for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < L; ++t) {
+        const at::BFloat16* v = v_cache + (table[t / BS] * BS + t % BS) * row + h * D;
+        __m512 vv[NV];
+        for (int j = 0; j < NV; ++j) vv[j] = bf16x16_to_f32(v + 16 * j);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+          for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(p, vv[j], acc[g][j]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        at::BFloat16* o = out + (b * H + h * G + g) * D;
+        alignas(64) float tmp[D];
+        for (int j = 0; j < NV; ++j) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(acc[g][j], _mm512_set1_ps(inv[g])));
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(tmp[d]);
+      }
+    }
+  });
+}
+#define TM_HAVE_AVX512_BF16_PATH 1
+#endif
+
+// out, q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
+// int64; seq_lens: [B] int64. head_dim must be a multiple of 32.
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode_attention: tensors must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "paged_decode_attention: block tables and lengths must be int64");
+  TORCH_CHECK(q.size(2) % 32 == 0, "paged_decode_attention: head_dim must be a multiple of 32");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), BS = k_cache.size(1), Hkv = k_cache.size(2);
+  auto bt = block_tables.contiguous();
+  auto sl = seq_lens.contiguous();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    decode_attention<T>(out.data_ptr<T>(), q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                        bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H, Hkv, D, BS, bt.size(1),
+                        static_cast<float>(scale));
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16:
+#ifdef TM_HAVE_AVX512_BF16_PATH
+      if ((D == 64 || D == 128) && H / Hkv <= 8) {
+        if (D == 64)
+          decode_attention_bf16<4>(out.data_ptr<at::BFloat16>(), q.data_ptr<at::BFloat16>(),
+                                   k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                                   bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H, Hkv, BS, bt.size(1),
+                                   static_cast<float>(scale));
+        else
+          decode_attention_bf16<8>(out.data_ptr<at::BFloat16>(), q.data_ptr<at::BFloat16>(),
+                                   k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                                   bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H, Hkv, BS, bt.size(1),
+                                   static_cast<float>(scale));
+        break;
+      }
+#endif
+      run(at::BFloat16{});
+      break;
+    case at::kHalf: run(at::Half{}); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tokenmill, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

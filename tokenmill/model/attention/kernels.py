@@ -1,0 +1,90 @@
+"""Builds and loads tokenmill's C++ CPU kernels (torch ops under `torch.ops.tokenmill`).
+
+Compiled once per machine with torch's cpp_extension (about 10 s), cached under the tokenmill
+cache keyed by torch version and CPU features, and linked to torch's own OpenMP runtime so the
+kernels share torch's intra-op threads. Returns False (callers fall back to portable code) when
+no compiler is available or the build fails.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from tokenmill.model.loader.cache import cache_root
+
+logger = logging.getLogger(__name__)
+_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_lock = threading.Lock()
+_loaded: bool | None = None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _isa_flags() -> list[str]:
+    flags = _cpu_flags()
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                "-mavx512dq", "-mfma"]
+    if {"avx2", "fma"} <= flags:
+        return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
+    return []
+
+
+def _openmp_ldflags() -> list[str]:
+    """Link torch's bundled libgomp, not the system's: one OpenMP runtime, one thread pool."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    bundled = sorted(glob.glob(os.path.join(lib, "libgomp*.so*")))
+    if bundled:
+        return [f"-L{lib}", f"-l:{os.path.basename(bundled[0])}", f"-Wl,-rpath,{lib}"]
+    return ["-fopenmp"]
+
+
+def load_cpu_kernels() -> bool:
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _build_and_load()
+        return _loaded
+
+
+def _build_and_load() -> bool:
+    if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        try:  # the `ninja` wheel ships its binary outside PATH when the venv is not activated
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass
+        isa = _isa_flags()
+        key = hashlib.sha256(("|".join([torch.__version__, *isa] + [p.read_text() for p in _SOURCES]))
+                             .encode()).hexdigest()[:16]
+        build_dir = cache_root() / "kernels" / key
+        build_dir.mkdir(parents=True, exist_ok=True)
+        load(name="tokenmill_cpu_kernels", sources=[str(p) for p in _SOURCES], is_python_module=False,
+             build_directory=str(build_dir), verbose=False,
+             extra_cflags=["-O3", "-fopenmp", *isa], extra_ldflags=_openmp_ldflags())
+        return hasattr(torch.ops.tokenmill, "paged_decode_attention")
+    except Exception as e:  # no compiler, no ninja, an unusual platform: portable code still works
+        logger.warning("CPU kernels unavailable (%s: %s); using the portable attention path",
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return False
