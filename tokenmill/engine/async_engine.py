@@ -15,10 +15,9 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
 
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.errors import EngineDeadError, EngineStepError
+from tokenmill.errors import EngineDeadError, EngineStepError, InvalidRequestError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -71,8 +70,10 @@ class AsyncLLMEngine:
         return len(self.engine.core.scheduler.waiting) + self._inbox.qsize()
 
     # --- requests ---------------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                       add_special_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                 add_special_tokens: bool = True) -> RequestStream:
+        """Validate and submit a request; returns an async iterator of its outputs (deltas unless
+        FINAL_ONLY). Bad input raises here, before anything is streamed."""
         if self.dead_error is not None:
             raise EngineDeadError("the engine is not running") from self.dead_error
         if params.output_kind == RequestOutputKind.CUMULATIVE:  # streams carry deltas
@@ -80,26 +81,17 @@ class AsyncLLMEngine:
             params.output_kind = RequestOutputKind.DELTA
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is in flight")
+            raise InvalidRequestError(f"request id {request_id!r} is in flight", param="request_id")
         processed = self.engine.process(request_id, prompt, params, add_special_tokens=add_special_tokens)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream.queue
         self._submit(("add", processed))
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine already dropped it
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+        return stream
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        self._streams.pop(request_id, None)
+        if abort:
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -157,3 +149,48 @@ class AsyncLLMEngine:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.put_nowait(error)
+
+
+class RequestStream:
+    """Async iterator over one request's outputs. Closing it early (aclose, or dropping it) aborts
+    the request in the engine."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str):
+        self.engine = engine
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            item = await self.queue.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            self._close(abort=True)
+            raise
+        if isinstance(item, BaseException):
+            self._close(abort=False)  # the engine already dropped it
+            raise item
+        if item.finished:
+            self._close(abort=False)
+        return item
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop consuming: aborts the request if it has not finished."""
+        self._close(abort=True)
+
+    def _close(self, abort: bool) -> None:
+        if not self.done:
+            self.done = True
+            self.engine._release(self.request_id, abort)
+
+    def __del__(self):
+        if not self.done:  # dropped without being closed: do not leave the request running
+            self.engine._release(self.request_id, abort=True)

@@ -29,7 +29,7 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, block_size: int,
-                 vocab_size: int, device: torch.device, seed: int):
+                 vocab_size: int, device: torch.device, seed: int, fail_on_token: int | None = None):
         self.model = model
         self.backend = backend
         self.block_size = block_size
@@ -37,6 +37,8 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.kv_cache: torch.Tensor | None = None
+        # fault injection for testing the engine's error handling (TOKENMILL_DEBUG_FAIL_ON_TOKEN)
+        self.fail_on_token = fail_on_token
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         layers = self.model.kv_caches()
@@ -50,6 +52,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         batch = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)  # decodes first (stable)
         input_ids, positions, layout = self.prepare_inputs(batch)
+        if self.fail_on_token is not None and bool((input_ids == self.fail_on_token).any()):
+            raise RuntimeError(f"injected fault: token {self.fail_on_token} in the batch")
         meta = self.backend.build_metadata(layout)
         hidden = self.model(input_ids, positions, meta)
 

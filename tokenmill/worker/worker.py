@@ -4,6 +4,7 @@ memory budget, and runs the model through its ModelRunner."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -48,8 +49,9 @@ class Worker:
         self.weight_bytes = self.model.weight_bytes
         logger.info("loaded %s (%s, %s, %.0f MiB of weights, %s attention) in %.1fs", source.name, self.dtype,
                     self.device, self.weight_bytes / 2**20, self.backend.name, time.monotonic() - t0)
+        fail_on = os.environ.get("TOKENMILL_DEBUG_FAIL_ON_TOKEN")
         self.runner = ModelRunner(self.model, self.backend, config.block_size, model_config.vocab_size,
-                                  self.device, config.seed)
+                                  self.device, config.seed, fail_on_token=int(fail_on) if fail_on else None)
         self.num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_blocks, model_config.num_key_value_heads,
                                       model_config.head_dim, self.dtype)

@@ -1,15 +1,27 @@
-"""`tokenmill serve`: the OpenAI-compatible HTTP server."""
+"""`tokenmill serve [MODEL]`: the OpenAI-compatible HTTP server."""
 
 from __future__ import annotations
 
+from tokenmill.entrypoints.cli.args import (
+    add_dataclass_args,
+    add_engine_args,
+    dataclass_from_args,
+    engine_config_from_args,
+)
+from tokenmill.entrypoints.openai.serving_base import ServerConfig
+
 
 def register(sub) -> None:
-    from tokenmill.entrypoints.cli.args import add_engine_args
-
-    p = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.")
+    p = sub.add_parser("serve", help="Serve a model over an OpenAI-compatible HTTP API.",
+                       description="Serve a model over an OpenAI-compatible HTTP API. Every flag can also be set "
+                                   "with a TOKENMILL_<FLAG> environment variable (e.g. TOKENMILL_PORT=9000).")
+    add_dataclass_args(p, ServerConfig)
     add_engine_args(p, positional_model=True)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    raise SystemExit("not yet")
+    from tokenmill.entrypoints.openai.api_server import run_server
+
+    return run_server(engine_config_from_args(args), dataclass_from_args(ServerConfig, args),
+                      log_level=args.log_level)

@@ -1,0 +1,157 @@
+"""What completions and chat share: admission (model name, drain, back-pressure), running one
+or more engine requests with a timeout, SSE framing, and the per-request access log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ModelNotFoundError,
+    QueueFullError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+    TokenmillError,
+)
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill.access")
+
+
+@dataclass
+class ServerConfig:
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to bind (loopback by default)."})
+    port: int = field(default=8000, metadata={"help": "Port to listen on."})
+    api_key: str | None = field(default=None, metadata={
+        "help": "Require 'Authorization: Bearer KEY' on the API (health, metrics and version stay open)."})
+    max_queue_len: int = field(default=512, metadata={
+        "help": "Waiting requests beyond which new ones get 429 with Retry-After."})
+    request_timeout: float | None = field(default=600.0, metadata={
+        "help": "Seconds after which a request is aborted (none: no limit)."})
+    shutdown_grace: float = field(default=30.0, metadata={
+        "help": "On SIGTERM/SIGINT, seconds to let in-flight requests finish before exiting."})
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}", param="port")
+        if self.max_queue_len < 1:
+            raise ConfigError("max_queue_len must be >= 1", param="max_queue_len")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            self.request_timeout = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+class ServingBase:
+    id_prefix = "req"
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, config: ServerConfig, state):
+        self.engine = engine
+        self.model_name = model_name
+        self.config = config
+        self.state = state  # server-wide: draining flag
+        self.processor = engine.engine.processor
+        self.piece = engine.engine.output_processor.piece
+
+    def new_id(self) -> str:
+        return f"{self.id_prefix}-{uuid.uuid4().hex}"
+
+    def admit(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                                     param="model", code="model_not_found")
+        if self.state.draining:
+            raise ServiceUnavailableError("the server is shutting down")
+        if self.engine.errored:
+            raise ServiceUnavailableError("the engine is not running")
+        if self.engine.num_waiting >= self.config.max_queue_len:
+            raise QueueFullError(f"too many waiting requests ({self.config.max_queue_len}); retry later",
+                                 retry_after=max(1, self.engine.num_waiting // 64))
+
+    def submit(self, request_id: str, prompts: list, params: SamplingParams,
+               add_special_tokens: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Submit every prompt as its own engine request (bad input raises here, before anything
+        streams); returns an iterator of (prompt index, output) within the request timeout.
+        Leaving it early aborts every request."""
+        streams = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(self.engine.generate(prompt, params, rid, add_special_tokens=add_special_tokens))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return self._merge(streams)
+
+    async def _merge(self, streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, stream):
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+        deadline = None if self.config.request_timeout is None else time.monotonic() + self.config.request_timeout
+        running = len(tasks)
+        try:
+            while running:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    i, item = await asyncio.wait_for(queue.get(), timeout)
+                except TimeoutError:
+                    raise RequestTimeoutError(
+                        f"request exceeded the {self.config.request_timeout:g}s request timeout") from None
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.close()
+
+    @staticmethod
+    def sse(payload: dict) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    @staticmethod
+    def sse_error(e: TokenmillError) -> str:
+        return ServingBase.sse({"error": {"message": e.message, "type": e.error_type, "param": e.param,
+                                          "code": e.status_code}})
+
+    def access_log(self, request_id: str, endpoint: str, status: int, usage: Usage, t0: float,
+                   first_token: float | None) -> None:
+        ttft = "-" if first_token is None else f"{(first_token - t0) * 1000:.0f}ms"
+        logger.info("%s %s %d prompt_tokens=%d completion_tokens=%d ttft=%s total=%.0fms", request_id, endpoint,
+                    status, usage.prompt_tokens, usage.completion_tokens, ttft, (time.monotonic() - t0) * 1000)
+
+
+def check_choices(n: int, num_prompts: int = 1) -> None:
+    if n * num_prompts > 128:
+        raise InvalidRequestError(f"n x prompts must be <= 128, got {n * num_prompts}", param="n")

@@ -1,0 +1,118 @@
+"""POST /v1/completions: prompts as text or token ids, n samples each, legacy logprobs, echo with
+prompt logprobs (what lm-evaluation-harness's loglikelihood requests need), SSE streaming."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from tokenmill.entrypoints.openai.logprobs import CompletionLogprobs
+from tokenmill.entrypoints.openai.protocol import CompletionRequest
+from tokenmill.entrypoints.openai.serving_base import ServingBase, Usage, check_choices
+from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.outputs import CompletionOutput, RequestOutput
+
+
+class CompletionServing(ServingBase):
+    id_prefix = "cmpl"
+
+    def prepare(self, req: CompletionRequest):
+        self.admit(req.model)
+        if req.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise InvalidRequestError("best_of must equal n (no server-side ranking)", param="best_of")
+        prompts = req.prompts()
+        check_choices(req.n, len(prompts))
+        echo_only = req.max_tokens == 0
+        if echo_only and not req.echo:
+            raise InvalidRequestError("max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
+        lp = req.logprobs
+        params = req.sampling_params(1 if echo_only else req.max_tokens, logprobs=lp,
+                                     prompt_logprobs=lp if req.echo and lp is not None else None,
+                                     default_max_tokens=16)
+        return prompts, params, echo_only
+
+    async def create(self, req: CompletionRequest, t0: float) -> dict | AsyncIterator[str]:
+        prompts, params, echo_only = self.prepare(req)
+        request_id = self.new_id()
+        # submit every prompt now, so that bad input fails before a stream starts
+        streams = self.submit(request_id, prompts, params)
+        if req.stream:
+            return self._stream(req, request_id, streams, echo_only, t0)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        first_token = None
+        async for i, out in streams:
+            results[i] = out
+            first_token = first_token or (out.metrics and out.metrics.first_token_time)
+        usage, choices = Usage(), []
+        for i, out in enumerate(results):
+            usage.prompt_tokens += len(out.prompt_token_ids)
+            for o in out.outputs:
+                choice, n_tokens = self._choice(req, out, o, echo_only, i)
+                choices.append(choice)
+                usage.completion_tokens += n_tokens
+        self.access_log(request_id, "/v1/completions", 200, usage, t0, first_token)
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": usage.to_dict()}
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.processor.tokenizer.decode(out.prompt_token_ids)
+
+    def _choice(self, req: CompletionRequest, out: RequestOutput, o: CompletionOutput, echo_only: bool, i: int):
+        text = "" if echo_only else o.text
+        tokens = [] if echo_only else o.token_ids
+        logprobs = None
+        if req.logprobs is not None:
+            lp = CompletionLogprobs()
+            if req.echo:
+                lp.add(out.prompt_token_ids, out.prompt_logprobs, self.piece, req.logprobs)
+            lp.add(tokens, (o.logprobs or [])[:len(tokens)], self.piece, req.logprobs)
+            logprobs = lp.to_dict()
+        if req.echo:
+            text = self._prompt_text(out) + text
+        choice = {"index": i * req.n + o.index, "text": text, "logprobs": logprobs,
+                  "finish_reason": "length" if echo_only else o.finish_reason, "stop_reason": o.stop_reason}
+        return choice, len(tokens)
+
+    async def _stream(self, req: CompletionRequest, request_id: str, streams, echo_only: bool,
+                      t0: float) -> AsyncIterator[str]:
+        created, usage, first_token = int(time.time()), Usage(), None
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+        status = 200
+        try:
+            async for i, out in streams:
+                first_token = first_token or time.monotonic()
+                for o in out.outputs:
+                    idx = i * req.n + o.index
+                    text, tokens = ("", []) if echo_only else (o.text, o.token_ids)
+                    lp = CompletionLogprobs(offsets.get(idx, 0)) if req.logprobs is not None else None
+                    if idx not in started:
+                        started.add(idx)
+                        if o.index == 0:
+                            usage.prompt_tokens += len(out.prompt_token_ids)
+                        if req.echo:
+                            text = self._prompt_text(out) + text
+                            if lp is not None:
+                                lp.add(out.prompt_token_ids, out.prompt_logprobs, self.piece, req.logprobs)
+                    if lp is not None:
+                        lp.add(tokens, (o.logprobs or [])[:len(tokens)], self.piece, req.logprobs)
+                        offsets[idx] = lp.offset
+                    usage.completion_tokens += len(tokens)
+                    finish = ("length" if echo_only else o.finish_reason) if o.finished else None
+                    yield self.sse({"id": request_id, "object": "text_completion", "created": created,
+                                    "model": self.model_name,
+                                    "choices": [{"index": idx, "text": text,
+                                                 "logprobs": lp.to_dict() if lp is not None else None,
+                                                 "finish_reason": finish,
+                                                 "stop_reason": o.stop_reason if o.finished else None}]})
+            if req.stream_options and req.stream_options.include_usage:
+                yield self.sse({"id": request_id, "object": "text_completion", "created": created,
+                                "model": self.model_name, "choices": [], "usage": usage.to_dict()})
+        except TokenmillError as e:
+            status = e.status_code
+            yield self.sse_error(e)
+        finally:
+            self.access_log(request_id, "/v1/completions (stream)", status, usage, t0, first_token)
+        yield "data: [DONE]\n\n"
