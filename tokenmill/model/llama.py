@@ -31,14 +31,19 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, dtype=dtype, device=device)
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
+        self.fused = False  # tokenmill's CPU kernels in use
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata):
+    def forward(self, x, rope, meta: AttentionMetadata):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q = apply_rotary(qkv[:, :q_size].view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q = qkv[:, :q_size].view(t, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        if self.fused:  # rotate q and k in place, inside the qkv buffer
+            torch.ops.tokenmill.rotary_embedding(q, k, *rope)
+        else:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         out = self.backend.forward(q, k, v, self.kv_cache, meta, self.scale)
         return self.o_proj(out)
 
@@ -49,9 +54,15 @@ class MLP(nn.Module):
         i = cfg.intermediate_size
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {0: i, 1: i}, dtype=dtype, device=device)
         self.down_proj = Linear(i, cfg.hidden_size, dtype=dtype, device=device)
+        self.fused = False  # tokenmill's CPU kernels in use
 
     def forward(self, x):
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.fused:
+            out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
+            torch.ops.tokenmill.silu_and_mul(out, gate_up)
+            return self.down_proj(out)
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -62,12 +73,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
-    def forward(self, x, residual, cos, sin, meta):
+    def forward(self, x, residual, rope, meta):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, meta)
+        x = self.self_attn(x, rope, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -80,13 +91,15 @@ class LlamaModel(nn.Module):
                                     for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device)
+        self.fused = False
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.lookup(positions, x.dtype)
+        # the fused kernel reads the fp32 tables by position; the portable path gets per-token rows
+        rope = (self.rotary.cos, self.rotary.sin, positions) if self.fused else self.rotary.lookup(positions, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, meta)
+            x, residual = layer(x, residual, rope, meta)
         x, _ = self.norm(x, residual)
         return x
 
@@ -113,6 +126,17 @@ class LlamaForCausalLM(nn.Module):
 
     def kv_caches(self) -> list:
         return [layer.self_attn for layer in self.model.layers]
+
+    def use_cpu_kernels(self) -> bool:
+        """Switch norms, SiLU-and-mul and rotary to tokenmill's fused CPU kernels where the shapes
+        allow (row sizes a multiple of 32, head_dim a multiple of 64). Returns whether it did."""
+        cfg = self.config
+        if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.head_dim % 64:
+            return False
+        for module in self.modules():
+            if hasattr(module, "fused"):
+                module.fused = True
+        return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -47,6 +47,8 @@ class Worker:
         self.model = build_model(source, model_config, self.backend, self.max_model_len, self.dtype,
                                  self.device, progress=progress)
         self.weight_bytes = self.model.weight_bytes
+        # the CPU attention kernel comes with fused norm / SiLU / rotary kernels from the same build
+        self.fused_ops = self.backend.name == "cpu_paged" and self.model.use_cpu_kernels()
         logger.info("loaded %s (%s, %s, %.0f MiB of weights, %s attention) in %.1fs", source.name, self.dtype,
                     self.device, self.weight_bytes / 2**20, self.backend.name, time.monotonic() - t0)
         fail_on = os.environ.get("TOKENMILL_DEBUG_FAIL_ON_TOKEN")

@@ -22,7 +22,7 @@ class CPUPagedBackend(TorchSDPABackend):
 
     @staticmethod
     def available(device: torch.device, head_dim: int) -> bool:
-        from tokenmill.model.attention.kernels import load_cpu_kernels
+        from tokenmill.model.kernels import load_cpu_kernels
 
         return device.type == "cpu" and head_dim % 32 == 0 and load_cpu_kernels()
 

@@ -88,7 +88,7 @@ class TorchSDPABackend(AttentionBackend):
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
         if meta.num_decodes:
             self._decode(q, out, k_cache, v_cache, meta, scale)
         for p in meta.prefills:

@@ -16,7 +16,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
+    fused = False  # set by the model when tokenmill's CPU kernels are in use
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            torch.ops.tokenmill.rms_norm(out, x, residual, self.weight, self.eps)  # residual += x, in place
+            return out if residual is None else (out, residual)
         if residual is not None:
             x = x + residual
             residual = x

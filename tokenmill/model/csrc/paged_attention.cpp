@@ -2,7 +2,7 @@
 // from the block-paged cache (no gather copy). One task per (sequence, kv head) on torch's
 // intra-op thread pool; the G query heads of a kv head share every K/V load. Two passes over the
 // keys (scores, then exp with a vectorized exp) and one over the values.
-// Built at first use by tokenmill/model/attention/kernels.py; see cpu_paged.py for the caller.
+// Built at first use by tokenmill/model/kernels.py; the caller is attention/cpu_paged.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

@@ -1,4 +1,5 @@
-"""Builds and loads tokenmill's C++ CPU kernels (torch ops under `torch.ops.tokenmill`).
+"""Builds and loads tokenmill's C++ CPU kernels (torch ops under `torch.ops.tokenmill`): paged
+decode attention, RMSNorm (+ residual), SiLU-and-mul, rotary embedding (sources in csrc/).
 
 Compiled once per machine with torch's cpp_extension (about 10 s), cached under the tokenmill
 cache keyed by torch version and CPU features, and linked to torch's own OpenMP runtime so the
@@ -20,7 +21,7 @@ import torch
 from tokenmill.model.loader.cache import cache_root
 
 logger = logging.getLogger(__name__)
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "elementwise.cpp")]
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -83,8 +84,10 @@ def _build_and_load() -> bool:
         load(name="tokenmill_cpu_kernels", sources=[str(p) for p in _SOURCES], is_python_module=False,
              build_directory=str(build_dir), verbose=False,
              extra_cflags=["-O3", "-fopenmp", *isa], extra_ldflags=_openmp_ldflags())
-        return hasattr(torch.ops.tokenmill, "paged_decode_attention")
+        return all(hasattr(torch.ops.tokenmill, op) for op in ("paged_decode_attention", "rms_norm", "silu_and_mul",
+                                                                "rotary_embedding"))
     except Exception as e:  # no compiler, no ninja, an unusual platform: portable code still works
-        logger.warning("CPU kernels unavailable (%s: %s); using the portable attention path",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        lines = str(e).splitlines()
+        detail = next((ln for ln in lines if "error" in ln.lower() and ".cpp" in ln), lines[0] if lines else "")
+        logger.warning("CPU kernels unavailable (%s: %s); using portable PyTorch ops", type(e).__name__, detail)
         return False
