@@ -31,8 +31,8 @@ def machine() -> dict:
 
 def run_tokenmill(prompts, output_len: int, engine_args: dict) -> dict:
     from tokenmill import LLM
-    from tokenmill.bench.throughput import run_throughput
     from tokenmill.bench.datasets import BenchRequest
+    from tokenmill.bench.throughput import run_throughput
 
     llm = LLM(progress=False, **engine_args)
     reqs = [BenchRequest(p, len(p), output_len) for p in prompts]

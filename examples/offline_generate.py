@@ -8,5 +8,6 @@ params = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=48, seed=0)
 for out in llm.generate(prompts, params):
     print(repr(out.prompt), "->", repr(out.outputs[0].text))
 
-chat = llm.chat([{"role": "user", "content": "Give me a haiku about tea."}], SamplingParams(temperature=0, max_tokens=64))
+chat = llm.chat([{"role": "user", "content": "Give me a haiku about tea."}],
+               SamplingParams(temperature=0, max_tokens=64))
 print(chat[0].outputs[0].text)
