@@ -56,9 +56,16 @@ def smol_tokenizer_dir(smol_path):
 
 
 def _save_tiny(kind: str, folder, tokenizer_dir) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
-    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+    common = dict(vocab_size=49152, hidden_size=256, intermediate_size=352, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.25, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
@@ -67,6 +74,8 @@ def _save_tiny(kind: str, folder, tokenizer_dir) -> None:
                           rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 128})
         model = LlamaForCausalLM(cfg)
+    elif kind == "mistral":  # Mistral without a sliding window is Llama: same code path
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None, tie_word_embeddings=False))
     else:
         cfg = Qwen2Config(**common, tie_word_embeddings=False, rope_theta=10000.0)
         model = Qwen2ForCausalLM(cfg)
@@ -90,4 +99,11 @@ def tiny_llama_dir(tmp_path_factory, smol_tokenizer_dir):
 def tiny_qwen2_dir(tmp_path_factory, smol_tokenizer_dir):
     folder = tmp_path_factory.mktemp("tiny-qwen2")
     _save_tiny("qwen2", folder, smol_tokenizer_dir)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory, smol_tokenizer_dir):
+    folder = tmp_path_factory.mktemp("tiny-mistral")
+    _save_tiny("mistral", folder, smol_tokenizer_dir)
     return folder

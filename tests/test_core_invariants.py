@@ -33,7 +33,7 @@ def check(sched: Scheduler, out=None):
     for b in kv.pool.blocks:
         assert b.ref_cnt == holders.get(b.block_id, 0) >= 0
     assert len(sched.running) <= sched.max_num_seqs
-    for r in sched.running:  # every running request's computed tokens are covered by its blocks
+    for r in sched.running:  # computed tokens are covered by the request's blocks...
         assert len(kv.req_blocks.get(r.request_id, ())) * BS >= r.num_computed_tokens
     if out is not None:
         assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled) <= sched.max_num_batched_tokens
@@ -47,7 +47,13 @@ def run_step(sched: Scheduler, rng):
     sampled = {s.request.request_id: rng.randrange(1000) for s in out.scheduled if s.samples}
     sched.update(out, sampled)
     check(sched)
+    for r in sched.running:  # ...with at most one partial block of waste
+        assert len(kv_blocks(sched, r)) == -(-r.num_computed_tokens // BS)
     return out
+
+
+def kv_blocks(sched, req):
+    return sched.kv.req_blocks.get(req.request_id, [])
 
 
 def test_block_pool_lru_and_refcounts():

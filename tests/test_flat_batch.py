@@ -62,8 +62,11 @@ def test_mixed_flat_batch_bf16(smol_bf16, smol_fp32):
         assert _tv(mixed, t).max() <= _tv(alone, t).max() + 0.02
 
 
+@pytest.mark.parametrize("backend", ["cpu_paged", "torch_sdpa"])
 @pytest.mark.parametrize("block_size", [1, 4, 32])
-def test_mixed_flat_batch_other_block_sizes(tiny_llama_dir, block_size):
-    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory="64MiB", block_size=block_size, progress=False)
+def test_mixed_flat_batch_other_block_sizes_and_backends(tiny_llama_dir, block_size, backend):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory="64MiB", block_size=block_size,
+              attention_backend=backend, progress=False)
+    assert llm.engine.core.worker.backend.name == backend
     for mixed, alone in _mixed_vs_alone(llm):
         torch.testing.assert_close(mixed, alone, atol=1e-4, rtol=0)

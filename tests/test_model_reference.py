@@ -88,19 +88,22 @@ def test_smollm2_bf16_matches_hf_bf16(smol_bf16, hf_smol_bf16, hf_smol, prompt):
     assert max(gaps) <= 0.75, gaps
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_tiny_random_models_match_hf(kind, tiny_llama_dir, tiny_qwen2_dir):
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_tiny_random_models_match_hf(kind, request):
     from transformers import AutoModelForCausalLM
 
-    folder = tiny_llama_dir if kind == "llama" else tiny_qwen2_dir
+    folder = request.getfixturevalue(f"tiny_{kind}_dir")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     llm = LLM(str(folder), dtype="float32", kv_cache_memory="64MiB", progress=False)
     arch = llm.engine.model_config.architecture
-    assert arch == ("LlamaForCausalLM" if kind == "llama" else "Qwen2ForCausalLM")
+    assert arch == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}[kind]
     tok = llm.get_tokenizer()
     for prompt in PROMPTS[:3]:
         ids = tok.encode(prompt)
-        torch.testing.assert_close(_our_logits(llm, ids), _hf_logits(hf, ids), atol=1e-4, rtol=1e-5)
+        # random weights at init range 0.25 give logits of magnitude ~30: 5e-4 is ~1e-5 relative
+        ref = _hf_logits(hf, ids)
+        torch.testing.assert_close(_our_logits(llm, ids), ref, atol=5e-4, rtol=1e-4)
+        assert ref.abs().max() > 10
         # long enough to pass the llama3 scaling's original context (128 positions)
         assert _greedy(llm, ids, 150) == hf_greedy(hf, ids, 150)
 

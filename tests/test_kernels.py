@@ -1,0 +1,84 @@
+"""tokenmill's C++ CPU kernels against the PyTorch ops they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.kernels import load_cpu_kernels
+from tokenmill.model.layers.activation import silu_and_mul
+from tokenmill.model.layers.norm import RMSNorm
+from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="no C++ toolchain: portable ops are used")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _same(a, b, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    else:  # the kernels round at the same points as the eager ops: bitwise equal
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual(dtype):
+    torch.manual_seed(0)
+    x, res = torch.randn(37, 576, dtype=dtype) * 3, torch.randn(37, 576, dtype=dtype)
+    norm = RMSNorm(576, 1e-5, dtype)
+    norm.weight.data = torch.randn(576, dtype=dtype)
+    ref_out, ref_res = norm(x, res.clone())
+    out, res2 = torch.empty_like(x), res.clone()
+    torch.ops.tokenmill.rms_norm(out, x, res2, norm.weight, 1e-5)
+    _same(res2, ref_res, dtype)
+    _same(out, ref_out, dtype)
+    torch.ops.tokenmill.rms_norm(out, x, None, norm.weight, 1e-5)
+    _same(out, norm(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = torch.randn(19, 2 * 1536, dtype=dtype) * 4
+    out = torch.empty(19, 1536, dtype=dtype)
+    torch.ops.tokenmill.silu_and_mul(out, x)
+    _same(out, silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_in_place_on_strided_qkv(dtype, head_dim):
+    heads, kv_heads, t = 6, 2, 23
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
+    q = qkv[:, :heads * head_dim].view(t, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    pos = torch.randint(0, 4096, (t,))
+    cos, sin = rope.lookup(pos, dtype)
+    ref_q, ref_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    torch.ops.tokenmill.rotary_embedding(q, k, rope.cos, rope.sin, pos)
+    _same(q, ref_q, dtype)
+    _same(k, ref_k, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [(64, 9, 3, 16), (128, 8, 2, 4), (64, 4, 4, 32)])
+def test_paged_decode_attention_matches_sdpa(dtype, head_dim, heads, kv_heads, block_size):
+    torch.manual_seed(1)
+    num_blocks, lens = 64, [1, 5, 16, 17, 100, 250]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    max_blocks = -(-max(lens) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens])
+    q = torch.randn(len(lens), heads, head_dim, dtype=dtype)
+    out = torch.empty_like(q)
+    torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125)
+    for i, n in enumerate(lens):
+        k = k_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
+        v = v_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
+        ref = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), k, v, scale=0.125, enable_gqa=True)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[i].float(), ref.squeeze(1), atol=tol, rtol=tol)
