@@ -84,8 +84,8 @@ def _build_and_load() -> bool:
         load(name="tokenmill_cpu_kernels", sources=[str(p) for p in _SOURCES], is_python_module=False,
              build_directory=str(build_dir), verbose=False,
              extra_cflags=["-O3", "-fopenmp", *isa], extra_ldflags=_openmp_ldflags())
-        return all(hasattr(torch.ops.tokenmill, op) for op in ("paged_decode_attention", "rms_norm", "silu_and_mul",
-                                                                "rotary_embedding"))
+        return all(hasattr(torch.ops.tokenmill, op) for op in ("paged_decode_attention", "write_kv_cache", "rms_norm",
+                                                                "silu_and_mul", "rotary_embedding"))
     except Exception as e:  # no compiler, no ninja, an unusual platform: portable code still works
         lines = str(e).splitlines()
         detail = next((ln for ln in lines if "error" in ln.lower() and ".cpp" in ln), lines[0] if lines else "")
