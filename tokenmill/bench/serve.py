@@ -1,0 +1,388 @@
+"""`tokenmill bench serve`: load any OpenAI-compatible server with streamed requests and measure
+what users feel (TTFT, TPOT, ITL, E2E, throughput, goodput). See serve_metrics for the definitions.
+
+The client must not be the bottleneck: one asyncio process, one aiohttp session whose connection
+pool is at least the concurrency, hand-rolled SSE parsing, and the client's own work per request
+(request encoding, parsing, bookkeeping) timed and reported as client_overhead_ms_per_request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from tokenmill.bench.datasets import BenchRequest, build_workload, pick_tokenizer, synthetic_text
+from tokenmill.bench.serve_metrics import RequestRecord, parse_slo, print_run, print_sweep, summarize
+from tokenmill.errors import ConfigError
+
+
+@dataclass
+class LoadPoint:
+    mode: str  # "concurrency" (closed loop) or "request_rate" (open loop)
+    value: float
+
+    @property
+    def label(self) -> str:
+        if self.mode == "concurrency":
+            return f"concurrency {int(self.value)}"
+        return "request rate inf" if math.isinf(self.value) else f"request rate {self.value:g}/s"
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "value": "inf" if math.isinf(self.value) else self.value, "label": self.label}
+
+
+class StreamingClient:
+    """Sends one streamed request and records its timeline into a RequestRecord."""
+
+    def __init__(self, session: aiohttp.ClientSession, root: str, endpoint: str, model: str | None,
+                 api_key: str | None, ignore_eos: bool, temperature: float):
+        self.session = session
+        self.chat = endpoint == "chat"
+        self.url = root + ("/v1/chat/completions" if self.chat else "/v1/completions")
+        self.headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.fields: dict = {"stream": True, "stream_options": {"include_usage": True}, "temperature": temperature}
+        if model:
+            self.fields["model"] = model
+        if ignore_eos:
+            self.fields["ignore_eos"] = True  # vLLM's extension; OpenAI itself would reject it
+
+    async def send(self, req: BenchRequest, rec: RequestRecord, t0: float) -> None:
+        start, cpu = time.perf_counter(), time.thread_time()
+        body = {**self.fields, "max_tokens": req.output_len}
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+        else:
+            body["prompt"] = req.prompt
+        data = json.dumps(body).encode()
+        rec.cpu_s += time.thread_time() - cpu
+        rec.sent_at = time.perf_counter() - t0
+        rec.overhead_s += rec.sent_at + t0 - start
+        try:
+            async with self.session.post(self.url, data=data, headers=self.headers) as resp:
+                rec.status = resp.status
+                if resp.status != 200:
+                    rec.error = _error_message(await resp.text(errors="replace")) or resp.reason or "HTTP error"
+                    return
+                await self._read_stream(resp, rec, t0)
+        except asyncio.CancelledError:
+            rec.cancelled = True
+            raise
+        except (aiohttp.ClientError, TimeoutError) as e:  # connection refused/reset, timeout
+            rec.error = f"{type(e).__name__}: {e}".rstrip(": ")
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float) -> None:
+        buf, done, now = b"", False, time.perf_counter()
+        async for data in resp.content.iter_any():
+            now, cpu = time.perf_counter(), time.thread_time()  # every event in this read arrived now
+            buf += data
+            if b"\r" in buf:
+                buf = buf.replace(b"\r\n", b"\n")
+            while not done and (end := buf.find(b"\n\n")) >= 0:
+                event, buf = buf[:end], buf[end + 2:]
+                for line in event.split(b"\n"):
+                    if line.startswith(b"data:") and self._on_data(line[5:].strip(), rec, now - t0):
+                        done = True
+            rec.overhead_s += time.perf_counter() - now
+            rec.cpu_s += time.thread_time() - cpu
+            if done:
+                break
+        if done and not resp.content.at_eof():
+            # read the end of the body (normally already there) so the connection goes back to the pool
+            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                await asyncio.wait_for(resp.content.read(), 1.0)
+        start, cpu = time.perf_counter(), time.thread_time()
+        if rec.end_at is None:  # the stream closed without [DONE]
+            rec.end_at = now - t0
+        if not rec.usage_reported:
+            rec.output_tokens = len(rec.chunk_times)  # servers without usage: count content chunks
+        if rec.error is None and rec.first_token_at is None:
+            rec.error = "the stream ended without any content"
+        rec.overhead_s += time.perf_counter() - start
+        rec.cpu_s += time.thread_time() - cpu
+
+    def _on_data(self, payload: bytes, rec: RequestRecord, t: float) -> bool:
+        """One SSE data payload; True at [DONE]."""
+        if payload == b"[DONE]":
+            rec.end_at = t
+            return True
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            rec.error = f"malformed SSE data: {payload[:80]!r}"
+            return True
+        if obj.get("error"):
+            err = obj["error"]
+            rec.error = str(err.get("message", err) if isinstance(err, dict) else err)
+            if isinstance(err, dict) and isinstance(err.get("code"), int):
+                rec.status = err["code"]
+            return False
+        if choices := obj.get("choices"):
+            c = choices[0]
+            # chat's first chunk only carries the role: it is not a token
+            text = (c.get("delta") or {}).get("content") if self.chat else c.get("text")
+            if text:
+                if rec.first_token_at is None:
+                    rec.first_token_at = t
+                rec.chunk_times.append(t)
+        if usage := obj.get("usage"):
+            rec.prompt_tokens = usage.get("prompt_tokens")
+            rec.output_tokens = usage.get("completion_tokens")
+            rec.usage_reported = True
+        return False
+
+
+def _error_message(body: str) -> str | None:
+    try:
+        err = json.loads(body).get("error")
+        return str(err.get("message", err) if isinstance(err, dict) else err or body[:200])
+    except (ValueError, AttributeError):
+        return body[:200] or None
+
+
+def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:
+    """Start offsets (s) of n requests: gamma inter-arrivals with mean 1/rate (shape 1 = Poisson)."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+    return out
+
+
+async def run_load_point(client: StreamingClient, requests: list[BenchRequest], point: LoadPoint,
+                         stop: asyncio.Event, burstiness: float = 1.0, seed: int = 0, progress: bool = True):
+    """Send every request once under the load shape, until done or `stop` is set (then cancel what
+    is in flight). Returns (records, duration in s, event-loop lag samples in s)."""
+    from tqdm import tqdm
+
+    records = [RequestRecord(i, r.prompt_len, r.output_len) for i, r in enumerate(requests)]
+    bar = tqdm(total=len(requests), desc=point.label, unit="req", disable=None if progress else True, leave=False)
+    lags: list[float] = []
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> None:
+        await client.send(requests[i], records[i], t0)
+        bar.update(1)
+
+    if point.mode == "concurrency":
+        pending = iter(range(len(requests)))  # shared by the workers: each request is taken once
+
+        async def worker() -> None:
+            for i in pending:
+                await one(i)
+
+        load = asyncio.gather(*(worker() for _ in range(min(int(point.value), len(requests)))))
+    else:
+        load = asyncio.ensure_future(_open_loop(one, arrival_times(len(requests), point.value, burstiness, seed), t0))
+    watcher, stopper = asyncio.create_task(_watch_lag(lags)), asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({load, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (load, watcher, stopper):
+            task.cancel()
+        outcome = (await asyncio.gather(load, watcher, stopper, return_exceptions=True))[0]
+        duration = time.perf_counter() - t0
+        bar.close()
+    if isinstance(outcome, Exception):  # a bug in the client, not a failed request
+        raise outcome
+    return records, duration, lags
+
+
+async def _open_loop(one, offsets: list[float], t0: float) -> None:
+    tasks: list[asyncio.Task] = []
+    try:
+        for i, at in enumerate(offsets):
+            if (delay := t0 + at - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _watch_lag(samples: list[float], period: float = 0.01) -> None:
+    """How late the event loop wakes up: near 0 unless the client itself is saturated."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(period)
+        samples.append(time.perf_counter() - t - period)
+
+
+async def run_bench(args, root: str, model: str | None, points: list[LoadPoint], workloads: list[list[BenchRequest]],
+                    slo: dict[str, float], console=None, stop: asyncio.Event | None = None,
+                    warmup: list[BenchRequest] = ()) -> tuple[list[dict], bool]:
+    """The warmup requests (unrecorded), then every load point in turn; returns (one summary per load
+    point run, whether it was interrupted)."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_sigint() -> None:
+        print("\ninterrupted: cancelling the requests in flight (Ctrl-C again to quit at once)", file=sys.stderr)
+        stop.set()
+        loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C raises KeyboardInterrupt
+
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not in the main thread
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+    # closed loop: a pool as large as the largest concurrency; open loop: unbounded (0)
+    limit = max(int(p.value) for p in points) if points[0].mode == "concurrency" else 0
+    runs: list[dict] = []
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit),
+                                         timeout=aiohttp.ClientTimeout(total=args.timeout)) as session:
+            client = StreamingClient(session, root, args.endpoint, model, args.api_key, args.ignore_eos,
+                                     args.temperature)
+            if warmup:
+                records, _, _ = await run_load_point(client, list(warmup), LoadPoint("concurrency", 1), stop,
+                                                     progress=not args.no_progress)
+                if console is not None:
+                    console.print(f"warmup: {sum(r.ok for r in records)} of {len(records)} requests completed")
+            for k, (point, requests) in enumerate(zip(points, workloads)):
+                if stop.is_set():
+                    break
+                records, duration, lags = await run_load_point(client, requests, point, stop, args.burstiness,
+                                                               args.seed + k, not args.no_progress)
+                run = {"load": point.to_dict(), **summarize(records, duration, slo),
+                       "event_loop_lag_ms": {"mean": 1000 * sum(lags) / len(lags) if lags else 0.0,
+                                             "max": 1000 * max(lags, default=0.0)},
+                       "connection_pool_limit": limit, "requests": [r.to_dict() for r in records]}
+                runs.append(run)
+                if console is not None:
+                    print_run(console, run)
+    finally:
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.remove_signal_handler(signal.SIGINT)
+    return runs, stop.is_set()
+
+
+def server_root(base_url: str, local_only: bool = False) -> str:
+    """http://host:port[/v1] -> http://host:port; with local_only, refuse anything but loopback."""
+    import ipaddress
+    import socket
+    import urllib.parse
+
+    url = base_url.strip().rstrip("/")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"--base-url must look like http://HOST:PORT, got {base_url!r}")
+    if local_only:
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(parts.hostname, None)}
+        except socket.gaierror as e:
+            raise ConfigError(f"--local-only: cannot resolve {parts.hostname!r} ({e.strerror})") from None
+        if not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+            raise ConfigError(f"--local-only: {parts.hostname} is not a loopback address "
+                              f"({', '.join(sorted(addresses))}); refusing to send load there")
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def list_models(root: str, api_key: str | None) -> list[str]:
+    """GET /v1/models: checks the server answers (one-line error if not) and names its models."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # direct, like aiohttp
+        with opener.open(urllib.request.Request(root + "/v1/models", headers=headers), timeout=30) as r:
+            return [m["id"] for m in json.loads(r.read()).get("data", []) if isinstance(m, dict) and "id" in m]
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise ConfigError(f"{root} refused the API key (HTTP {e.code}); give --api-key") from None
+        if e.code == 503:
+            raise ConfigError(f"{root} is not ready (HTTP 503: still loading or shutting down)") from None
+        return []  # no /v1/models: requests go without a model name unless --model is given
+    except (urllib.error.URLError, OSError) as e:
+        raise ConfigError(f"cannot reach {root}: {getattr(e, 'reason', e)}") from None
+    except ValueError:
+        return []
+
+
+def load_points(args) -> list[LoadPoint]:
+    mode = "request_rate" if args.request_rate is not None else "concurrency"
+    given = args.request_rate if mode == "request_rate" else args.concurrency
+    if given and args.sweep:
+        raise ConfigError("give the load points either after --concurrency/--request-rate or with --sweep, not both")
+    values = given or args.sweep or [1]
+    if mode == "concurrency":
+        if any(math.isinf(v) or not float(v).is_integer() for v in values):
+            raise ConfigError(f"concurrencies must be whole numbers, got {','.join(f'{v:g}' for v in values)}")
+        values = [int(v) for v in values]
+    return [LoadPoint(mode, v) for v in values]
+
+
+def check_args(args) -> None:
+    for name, ok in (("num_prompts", args.num_prompts >= 1), ("input_len", args.input_len >= 1),
+                     ("output_len", args.output_len >= 1), ("range_ratio", 0 <= args.range_ratio < 1),
+                     ("shared_prefix_len", args.shared_prefix_len >= 0), ("burstiness", args.burstiness > 0),
+                     ("timeout", args.timeout > 0), ("temperature", args.temperature >= 0),
+                     ("warmup", args.warmup >= 0)):
+        if not ok:
+            value = getattr(args, name)
+            raise ConfigError(f"--{name.replace('_', '-')} {value} is out of range")
+
+
+def main(args) -> int:
+    import os
+
+    from rich.console import Console
+
+    check_args(args)
+    args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    try:
+        slo = parse_slo(args.slo)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    points = load_points(args)
+    root = server_root(args.base_url, args.local_only)
+    models = list_models(root, args.api_key)
+    model = args.model or (models[0] if models else None)
+    tokenizer, tokenizer_name = pick_tokenizer(args.tokenizer, root, args.api_key)
+    console = Console(width=None if sys.stdout.isatty() else 150)  # rich assumes 80 columns when piped
+    # fresh prompts per load point, so a prefix cache cannot serve one point from the previous one
+    workloads = [build_workload(tokenizer, args, args.seed + k) for k in range(len(points))]
+    # warmup prompts are their own too (and short): they must not pre-fill the cache with measured prompts
+    warmup = synthetic_text(tokenizer, args.warmup, args.input_len, min(args.output_len, 16),
+                            seed=args.seed + 10_000) if args.warmup else []
+    console.print(f"{root} model={model} endpoint={args.endpoint}: {len(workloads[0])} prompts per load point x "
+                  f"{len(points)} point(s); tokens counted with {tokenizer_name}", markup=False)
+    runner = asyncio.run
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        runner = uvloop.run
+    runs, interrupted = runner(run_bench(args, root, model, points, workloads, slo, console, warmup=warmup))
+    if len(runs) > 1:
+        print_sweep(console, runs)
+    result = {"config": {"base_url": root, "model": model, "endpoint": args.endpoint, "tokenizer": tokenizer_name,
+                         **{k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "range_ratio",
+                                                          "shared_prefix_len", "dataset", "ignore_eos", "temperature",
+                                                          "burstiness", "seed", "timeout")},
+                         "slo_ms": {k: v * 1000 for k, v in slo.items()} or None,
+                         "load_points": [p.to_dict() for p in points]},
+              "interrupted": interrupted, "runs": runs}
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+        console.print(f"results: {args.output_json}")
+    if args.plot and runs:
+        from tokenmill.bench.plot import plot_runs
+
+        plot_runs(runs, args.plot, title=f"{model or root} ({args.endpoint})")
+        console.print(f"plot: {args.plot}")
+    if interrupted:
+        return 130
+    return 0 if any(r["completed"] for r in runs) else 1
