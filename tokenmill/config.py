@@ -11,8 +11,6 @@ import os
 import re
 from dataclasses import dataclass, field
 
-import torch
-
 from tokenmill.errors import ConfigError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
@@ -111,13 +109,17 @@ class EngineConfig:
 
     # --- derived values ---------------------------------------------------------------------------
     @property
-    def torch_device(self) -> torch.device:
+    def torch_device(self):
+        import torch  # lazily: commands that never run a model should not pay for importing torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self):
+        import torch
+
         names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                  "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
                  "half": torch.float16}
@@ -141,6 +143,8 @@ class EngineConfig:
 
 def cpu_has_fast_bf16() -> bool:
     """bf16 GEMMs are fast (AMX or AVX512-BF16); otherwise fp32 is the better default."""
+    import torch
+
     try:
         if torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported():
             return True
@@ -164,3 +168,27 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+@dataclass
+class ServerConfig:
+    """Settings of `tokenmill serve` beyond the engine's (flags and TOKENMILL_* variables alike)."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to bind (loopback by default)."})
+    port: int = field(default=8000, metadata={"help": "Port to listen on."})
+    api_key: str | None = field(default=None, metadata={
+        "help": "Require 'Authorization: Bearer KEY' on the API (health, metrics and version stay open)."})
+    max_queue_len: int = field(default=512, metadata={
+        "help": "Waiting requests beyond which new ones get 429 with Retry-After."})
+    request_timeout: float | None = field(default=600.0, metadata={
+        "help": "Seconds after which a request is aborted (none: no limit)."})
+    shutdown_grace: float = field(default=30.0, metadata={
+        "help": "On SIGTERM/SIGINT, seconds to let in-flight requests finish before exiting."})
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}", param="port")
+        if self.max_queue_len < 1:
+            raise ConfigError("max_queue_len must be >= 1", param="max_queue_len")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            self.request_timeout = None

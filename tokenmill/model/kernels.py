@@ -1,18 +1,22 @@
 """Builds and loads tokenmill's C++ CPU kernels (torch ops under `torch.ops.tokenmill`): paged
 decode attention, RMSNorm (+ residual), SiLU-and-mul, rotary embedding (sources in csrc/).
 
-Compiled once per machine with torch's cpp_extension (about 10 s), cached under the tokenmill
-cache keyed by torch version and CPU features, and linked to torch's own OpenMP runtime so the
-kernels share torch's intra-op threads. Returns False (callers fall back to portable code) when
+Compiled once per machine with torch's cpp_extension (about 20 s; concurrent processes wait for
+one builder under a file lock), cached under the tokenmill cache keyed by the sources, torch
+version and CPU features, and linked to torch's own OpenMP runtime so the kernels share torch's
+intra-op threads. Returns False (callers fall back to portable code) when
 no compiler is available or the build fails.
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
@@ -22,6 +26,8 @@ from tokenmill.model.loader.cache import cache_root
 
 logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "elementwise.cpp")]
+_NAME = "tokenmill_cpu_kernels"
+_OPS = ("paged_decode_attention", "write_kv_cache", "rms_norm", "silu_and_mul", "rotary_embedding")
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -68,26 +74,42 @@ def _build_and_load() -> bool:
     if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
         return False
     try:
-        from torch.utils.cpp_extension import load
-
-        try:  # the `ninja` wheel ships its binary outside PATH when the venv is not activated
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            pass
         isa = _isa_flags()
         key = hashlib.sha256(("|".join([torch.__version__, *isa] + [p.read_text() for p in _SOURCES]))
                              .encode()).hexdigest()[:16]
-        build_dir = cache_root() / "kernels" / key
-        build_dir.mkdir(parents=True, exist_ok=True)
-        load(name="tokenmill_cpu_kernels", sources=[str(p) for p in _SOURCES], is_python_module=False,
-             build_directory=str(build_dir), verbose=False,
-             extra_cflags=["-O3", "-fopenmp", *isa], extra_ldflags=_openmp_ldflags())
-        return all(hasattr(torch.ops.tokenmill, op) for op in ("paged_decode_attention", "write_kv_cache", "rms_norm",
-                                                                "silu_and_mul", "rotary_embedding"))
+        root = cache_root() / "kernels" / key
+        library = root / f"{_NAME}.so"
+        if not library.is_file():
+            root.mkdir(parents=True, exist_ok=True)
+            with open(root / ".lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait, then load its result
+                if not library.is_file():
+                    _build(root, library, isa)
+        torch.ops.load_library(str(library))
+        return all(hasattr(torch.ops.tokenmill, op) for op in _OPS)
     except Exception as e:  # no compiler, no ninja, an unusual platform: portable code still works
         lines = str(e).splitlines()
         detail = next((ln for ln in lines if "error" in ln.lower() and ".cpp" in ln), lines[0] if lines else "")
         logger.warning("CPU kernels unavailable (%s: %s); using portable PyTorch ops", type(e).__name__, detail)
         return False
+
+
+def _build(root: Path, library: Path, isa: list[str]) -> None:
+    """Compile in a private folder, then move the library into place atomically."""
+    from torch.utils.cpp_extension import load
+
+    try:  # the `ninja` wheel ships its binary outside PATH when the venv is not activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    logger.info("building tokenmill's CPU kernels (once per machine, ~20 s)")
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix="build-"))
+    try:
+        built = load(name=_NAME, sources=[str(p) for p in _SOURCES], is_python_module=False,
+                     build_directory=str(tmp), verbose=False, extra_cflags=["-O3", "-fopenmp", *isa],
+                     extra_ldflags=_openmp_ldflags())
+        os.replace(built, library)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

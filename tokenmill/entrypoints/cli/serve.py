@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from tokenmill.config import ServerConfig
 from tokenmill.entrypoints.cli.args import (
     add_dataclass_args,
     add_engine_args,
     dataclass_from_args,
     engine_config_from_args,
 )
-from tokenmill.entrypoints.openai.serving_base import ServerConfig
 
 
 def register(sub) -> None:

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tokenmill import __version__
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.openai.metrics import PrometheusStatLogger
@@ -30,7 +30,6 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeRequest,
     error_body,
 )
-from tokenmill.entrypoints.openai.serving_base import ServerConfig
 from tokenmill.entrypoints.openai.serving_chat import ChatServing
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
 from tokenmill.errors import (
