@@ -27,7 +27,7 @@ from tokenmill.model.loader.cache import cache_root
 logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "elementwise.cpp")]
 _NAME = "tokenmill_cpu_kernels"
-_OPS = ("paged_decode_attention", "write_kv_cache", "rms_norm", "silu_and_mul", "rotary_embedding")
+_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding")
 _lock = threading.Lock()
 _loaded: bool | None = None
 

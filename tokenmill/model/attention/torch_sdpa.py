@@ -83,9 +83,10 @@ class TorchSDPABackend(AttentionBackend):
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         gqa = num_heads != num_kv_heads
-        k_cache, v_cache = self.cache_views(kv_cache)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
         # Write this step's K/V into their slots first: every read below sees them.
-        self._write_cache(k_cache, v_cache, k, v, meta.slot_mapping)
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view
         if meta.num_decodes:
@@ -97,23 +98,11 @@ class TorchSDPABackend(AttentionBackend):
                 vp = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
             else:
-                kp, vp = self._gather_context(k_cache, v_cache, p.block_ids, p.ctx_len)
+                kp = self._gather(k_cache, p.block_ids, 1, p.ctx_len)
+                vp = self._gather(v_cache, p.block_ids, 1, p.ctx_len)
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
             out[p.start:p.end] = op.squeeze(0).transpose(0, 1)
         return out.view(num_tokens, num_heads * head_dim)
-
-    # --- the cache layout: [num_blocks, block_size, Hkv, D] for both K and V ------------------------
-    def cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return kv_cache[0], kv_cache[1]
-
-    def _write_cache(self, k_cache, v_cache, k, v, slots) -> None:
-        hkv, d = k.shape[1], k.shape[2]
-        k_cache.view(-1, hkv, d).index_copy_(0, slots, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, slots, v)
-
-    def _gather_context(self, k_cache, v_cache, block_ids, ctx_len):
-        """[1, Hkv, ctx_len, D] keys and values of one sequence."""
-        return self._gather(k_cache, block_ids, 1, ctx_len), self._gather(v_cache, block_ids, 1, ctx_len)
 
     def _decode(self, q, out, k_cache, v_cache, meta: SDPAMetadata, scale: float) -> None:
         nd, d = meta.num_decodes, meta.decodes
