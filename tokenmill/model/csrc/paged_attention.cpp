@@ -99,6 +99,14 @@ void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache, co
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+// Blocks of a sequence are scattered in the pool, so the hardware prefetcher stalls at every
+// block boundary; fetch the next block's rows of this head while computing on the current one.
+inline void prefetch_block(const at::BFloat16* first_row, int64_t rows, int64_t row_stride, int64_t row_bytes) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(first_row + r * row_stride) + b, _MM_HINT_T0);
+}
+
 inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -124,7 +132,10 @@ void decode_attention_bf16(at::BFloat16* out, const at::BFloat16* q, const at::B
       scores.resize(G * L);
       float m[8];
       for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY;
+      const int64_t nblocks = (L + BS - 1) / BS;
       for (int64_t t = 0; t < L; ++t) {
+        if (t % BS == 0 && t / BS + 1 < nblocks)
+          prefetch_block(k_cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * 2);
         const at::BFloat16* k = k_cache + (table[t / BS] * BS + t % BS) * row + h * D;
         __m512 kv[NV];
         for (int j = 0; j < NV; ++j) kv[j] = bf16x16_to_f32(k + 16 * j);
@@ -157,6 +168,8 @@ void decode_attention_bf16(at::BFloat16* out, const at::BFloat16* q, const at::B
       for (int64_t g = 0; g < G; ++g)
         for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
       for (int64_t t = 0; t < L; ++t) {
+        if (t % BS == 0 && t / BS + 1 < nblocks)
+          prefetch_block(v_cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * 2);
         const at::BFloat16* v = v_cache + (table[t / BS] * BS + t % BS) * row + h * D;
         __m512 vv[NV];
         for (int j = 0; j < NV; ++j) vv[j] = bf16x16_to_f32(v + 16 * j);
