@@ -1,6 +1,7 @@
 """Offline throughput: tokenmill vs Hugging Face transformers `generate`, same workload, same run.
 
-Baselines: transformers one request at a time, and all requests as one padded static batch.
+Baselines: transformers one request at a time, and all requests as one padded static batch, each
+in its faster dtype (fp32 one at a time, bf16 batched; dense weights, see hf_reference.py).
 Every system samples (temperature 1, no top-k/top-p) exactly `--output-len` tokens per request
 (EOS ignored / suppressed). Prints a table with ratios and the machine load, and writes JSON.
 
@@ -16,6 +17,7 @@ import platform
 import time
 
 import torch
+from hf_reference import load_hf_model
 
 
 def machine() -> dict:
@@ -40,15 +42,6 @@ def run_tokenmill(prompts, output_len: int, engine_args: dict) -> dict:
     result = run_throughput(llm, reqs, use_tqdm=False)
     del llm
     return result
-
-
-def _hf_model(dtype):
-    from transformers import AutoModelForCausalLM
-
-    from tokenmill.model.loader import resolve_model
-
-    path = resolve_model(None).path
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype).eval()
 
 
 @torch.inference_mode()
@@ -98,12 +91,10 @@ def main() -> None:
     before = machine()
     results = {"tokenmill": run_tokenmill(prompts, args.output_len, dict(
         dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens))}
-    dtype = getattr(torch, args.dtype)
-    model = _hf_model(dtype)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    results["hf_static_batch"] = run_hf(model, prompts, args.output_len, len(prompts), pad)
+    results["hf_static_batch"] = run_hf(load_hf_model(torch.bfloat16), prompts, args.output_len, len(prompts), pad)
     seq = prompts[: args.sequential_limit] if args.sequential_limit else prompts
-    results["hf_one_at_a_time"] = run_hf(model, seq, args.output_len, 1, pad)
+    results["hf_one_at_a_time"] = run_hf(load_hf_model(torch.float32), seq, args.output_len, 1, pad)
     after = machine()
 
     base = results["hf_one_at_a_time"]["output_tokens_per_s"]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from tokenmill.bench.client import StreamingClient
 from tokenmill.bench.datasets import BenchRequest, build_workload, pick_tokenizer, synthetic_text
 from tokenmill.bench.serve_metrics import RequestRecord, parse_slo, print_run, print_sweep, summarize
 from tokenmill.errors import ConfigError
@@ -38,116 +39,6 @@ class LoadPoint:
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "value": "inf" if math.isinf(self.value) else self.value, "label": self.label}
-
-
-class StreamingClient:
-    """Sends one streamed request and records its timeline into a RequestRecord."""
-
-    def __init__(self, session: aiohttp.ClientSession, root: str, endpoint: str, model: str | None,
-                 api_key: str | None, ignore_eos: bool, temperature: float):
-        self.session = session
-        self.chat = endpoint == "chat"
-        self.url = root + ("/v1/chat/completions" if self.chat else "/v1/completions")
-        self.headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
-        self.fields: dict = {"stream": True, "stream_options": {"include_usage": True}, "temperature": temperature}
-        if model:
-            self.fields["model"] = model
-        if ignore_eos:
-            self.fields["ignore_eos"] = True  # vLLM's extension; OpenAI itself would reject it
-
-    async def send(self, req: BenchRequest, rec: RequestRecord, t0: float) -> None:
-        start, cpu = time.perf_counter(), time.thread_time()
-        body = {**self.fields, "max_tokens": req.output_len}
-        if self.chat:
-            body["messages"] = [{"role": "user", "content": req.prompt}]
-        else:
-            body["prompt"] = req.prompt
-        data = json.dumps(body).encode()
-        rec.cpu_s += time.thread_time() - cpu
-        rec.sent_at = time.perf_counter() - t0
-        rec.overhead_s += rec.sent_at + t0 - start
-        try:
-            async with self.session.post(self.url, data=data, headers=self.headers) as resp:
-                rec.status = resp.status
-                if resp.status != 200:
-                    rec.error = _error_message(await resp.text(errors="replace")) or resp.reason or "HTTP error"
-                    return
-                await self._read_stream(resp, rec, t0)
-        except asyncio.CancelledError:
-            rec.cancelled = True
-            raise
-        except (aiohttp.ClientError, TimeoutError) as e:  # connection refused/reset, timeout
-            rec.error = f"{type(e).__name__}: {e}".rstrip(": ")
-
-    async def _read_stream(self, resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float) -> None:
-        buf, done, now = b"", False, time.perf_counter()
-        async for data in resp.content.iter_any():
-            now, cpu = time.perf_counter(), time.thread_time()  # every event in this read arrived now
-            buf += data
-            if b"\r" in buf:
-                buf = buf.replace(b"\r\n", b"\n")
-            while not done and (end := buf.find(b"\n\n")) >= 0:
-                event, buf = buf[:end], buf[end + 2:]
-                for line in event.split(b"\n"):
-                    if line.startswith(b"data:") and self._on_data(line[5:].strip(), rec, now - t0):
-                        done = True
-            rec.overhead_s += time.perf_counter() - now
-            rec.cpu_s += time.thread_time() - cpu
-            if done:
-                break
-        if done and not resp.content.at_eof():
-            # read the end of the body (normally already there) so the connection goes back to the pool
-            with contextlib.suppress(TimeoutError, aiohttp.ClientError):
-                await asyncio.wait_for(resp.content.read(), 1.0)
-        start, cpu = time.perf_counter(), time.thread_time()
-        if rec.end_at is None:  # the stream closed without [DONE]
-            rec.end_at = now - t0
-        if not rec.usage_reported:
-            rec.output_tokens = len(rec.chunk_times)  # servers without usage: count content chunks
-        if rec.error is None and rec.first_token_at is None:
-            rec.error = "the stream ended without any content"
-        rec.overhead_s += time.perf_counter() - start
-        rec.cpu_s += time.thread_time() - cpu
-
-    def _on_data(self, payload: bytes, rec: RequestRecord, t: float) -> bool:
-        """One SSE data payload; True at [DONE]."""
-        if payload == b"[DONE]":
-            rec.end_at = t
-            return True
-        try:
-            obj = json.loads(payload)
-        except ValueError:
-            rec.error = f"malformed SSE data: {payload[:80]!r}"
-            return True
-        if obj.get("error"):
-            err = obj["error"]
-            rec.error = str(err.get("message", err) if isinstance(err, dict) else err)
-            if isinstance(err, dict) and isinstance(err.get("code"), int):
-                rec.status = err["code"]
-            return False
-        if choices := obj.get("choices"):
-            c = choices[0]
-            # chat's first chunk only carries the role: it is not a token
-            text = (c.get("delta") or {}).get("content") if self.chat else c.get("text")
-            if text:
-                if rec.first_token_at is None:
-                    rec.first_token_at = t
-                rec.chunk_times.append(t)
-        if usage := obj.get("usage"):
-            rec.prompt_tokens = usage.get("prompt_tokens")
-            rec.output_tokens = usage.get("completion_tokens")
-            rec.usage_reported = True
-        return False
-
-
-def _error_message(body: str) -> str | None:
-    try:
-        err = json.loads(body).get("error")
-        return str(err.get("message", err) if isinstance(err, dict) else err or body[:200])
-    except (ValueError, AttributeError):
-        return body[:200] or None
 
 
 def arrival_times(n: int, rate: float, burstiness: float, seed: int) -> list[float]:

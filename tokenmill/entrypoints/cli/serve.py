@@ -21,7 +21,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from tokenmill.entrypoints.openai.api_server import run_server
+    from tokenmill.entrypoints.openai.launcher import run_server
 
     return run_server(engine_config_from_args(args), dataclass_from_args(ServerConfig, args),
                       log_level=args.log_level)

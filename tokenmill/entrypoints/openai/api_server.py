@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
 The port is bound at once and the model loads in the background: /health answers 503 until the
-engine runs. The event loop never runs the model (the engine has its own thread). SIGTERM/SIGINT
-drain: new requests get 503, in-flight ones finish (up to --shutdown-grace), then exit 0.
+engine runs. The event loop never runs the model (the engine has its own thread). The process
+around the app (uvicorn, signals, draining) is in launcher.py.
 """
 
 from __future__ import annotations
@@ -240,65 +240,3 @@ async def _cancel_on_disconnect(request: Request, coro):
         return Response(status_code=499)
     finally:
         watcher.cancel()
-
-
-class _Server:
-    """uvicorn with tokenmill's shutdown: the first SIGTERM/SIGINT drains (new requests get 503,
-    in-flight ones finish for up to `shutdown_grace` seconds), a second one exits at once."""
-
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig, log_level: str = "info"):
-        import uvicorn
-
-        self.exit_code = 0
-        self.app = build_app(engine_config, config, on_load_failure=self._load_failed)
-        self.state: ServerState = self.app.state.server
-        self.config = config
-        server = self
-
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame):  # runs in the main thread, which runs the loop
-                server._on_signal(sig)
-
-        uv_config = uvicorn.Config(self.app, host=config.host, port=config.port, log_level=log_level,
-                                   access_log=False, log_config=None, timeout_graceful_shutdown=5,
-                                   loop="auto", http="auto")
-        self.uvicorn = Server(uv_config)
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    def _load_failed(self, error: BaseException) -> None:
-        self.exit_code = 1
-        self.uvicorn.should_exit = True
-
-    def _on_signal(self, sig) -> None:
-        if self.state.draining or self.state.engine is None or self.loop is None:
-            self.uvicorn.should_exit = True
-            if self.state.draining:
-                self.uvicorn.force_exit = True
-            return
-        self.state.draining = True
-        logger.info("signal %s: draining (up to %.0fs) before exit", sig, self.config.shutdown_grace)
-        self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-    async def _drain(self) -> None:
-        deadline = time.monotonic() + self.config.shutdown_grace
-        while self.state.engine.num_in_flight and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        left = self.state.engine.num_in_flight
-        if left:
-            logger.warning("grace period over: %d request(s) still running are cut off", left)
-        self.uvicorn.should_exit = True
-
-    async def serve(self) -> int:
-        self.loop = asyncio.get_running_loop()
-        await self.uvicorn.serve()
-        return self.exit_code
-
-
-def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "info") -> int:
-    server = _Server(engine_config, config, log_level)
-    try:
-        import uvloop
-
-        return uvloop.run(server.serve())
-    except ImportError:
-        return asyncio.run(server.serve())
