@@ -209,3 +209,13 @@ def test_prompt_too_long_is_rejected(smol_bf16):
         smol_bf16.generate([[100] * (limit - 10)], SamplingParams(max_tokens=20), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="empty"):
         smol_bf16.generate([[]], SamplingParams(), use_tqdm=False)
+
+
+def test_skip_special_tokens(smol_fp32):
+    # ignore_eos lets the model run past <|im_end|>, which then appears in the text only when asked
+    # (fp32: the second run hits the prefix cache, and in bf16 that may move a near-tie)
+    kw = dict(temperature=0, max_tokens=60, ignore_eos=True)
+    raw = gen(smol_fp32, CHAT, skip_special_tokens=False, **kw).outputs[0]
+    clean = gen(smol_fp32, CHAT, **kw).outputs[0]
+    assert raw.token_ids == clean.token_ids and 2 in raw.token_ids  # 2 = <|im_end|>
+    assert "<|im_end|>" in raw.text and "<|im_end|>" not in clean.text

@@ -140,6 +140,29 @@ def test_stream_n_samples_and_stop(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["stop", "stop"]
 
 
+def test_vllm_extra_params_and_response_format(server, client):
+    greedy = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    top1 = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=1.5,
+                                     extra_body={"top_k": 1})
+    assert top1.choices[0].text == greedy.choices[0].text
+    r = post(server, "/v1/completions", {"prompt": "Hi", "max_tokens": 30, "min_tokens": 30, "ignore_eos": True,
+                                         "repetition_penalty": 1.3, "min_p": 0.05, "skip_special_tokens": False})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 30
+    ids = post(server, "/tokenize", {"prompt": greedy.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    stopped = post(server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
+                                               "stop_token_ids": [ids[3]]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == ids[3]
+    msg = [{"role": "user", "content": "Give JSON with a key a."}]
+    chat = client.chat.completions.create(model=MODEL, messages=msg,
+                                          max_tokens=20, response_format={"type": "json_object"})
+    assert chat.choices[0].message.content
+    r = post(server, "/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema",
+                                                                                    "json_schema": {"name": "x"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    r = post(server, "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
 def test_raw_sse_framing(server):
     with httpx.stream("POST", server.base_url + "/chat/completions", timeout=60,
                       json={"messages": CHAT, "max_tokens": 5, "stream": True}) as r:
