@@ -1,9 +1,10 @@
 """Greedy results never depend on batch composition, chunk size, prefix hits or preemption.
 
 64 requests of mixed lengths (half sharing a long system prompt) run concurrently under several
-engine configurations; in fp32 every request's tokens equal its tokens when run alone. In bf16,
-batch shape changes rounding, so the test checks the weaker property that holds: every batched
-greedy token is, teacher-forced through the model alone, within a near-tie of the top token.
+engine configurations; in fp32, and in bf16 with `batch_invariant=True`, every request's tokens
+equal its tokens when run alone. In default bf16, batch shape changes rounding, so the test checks
+the weaker property that holds there: every batched greedy token is, teacher-forced through the
+model alone, within a near-tie of the top token.
 """
 
 from __future__ import annotations
@@ -72,6 +73,33 @@ def test_greedy_identical_alone_and_among_64(reference, name):
     if name == "prefix-cache-on":
         assert core.kv.prefix_hits > 0
     assert core.kv.pool.num_free_blocks == core.kv.num_blocks  # nothing leaked
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def reference_bf16_invariant():
+    llm = LLM(dtype="bfloat16", batch_invariant=True, enable_prefix_caching=False, kv_cache_memory="128MiB",
+              max_model_len=512, progress=False)
+    prompts = _prompts(llm.get_tokenizer())
+    alone = [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0] for p in prompts]
+    del llm
+    gc.collect()
+    return prompts, alone
+
+
+@pytest.mark.parametrize("name", ["prefix-cache-on", "chunk-16", "tiny-pool"])
+def test_bf16_batch_invariant_mode_is_exact(reference_bf16_invariant, name):
+    prompts, alone = reference_bf16_invariant
+    args = dict(dtype="bfloat16", batch_invariant=True, kv_cache_memory="128MiB", max_model_len=512, max_num_seqs=64)
+    args.update(CONFIGS[name])
+    if name == "tiny-pool":
+        args["kv_cache_memory"] = 45 * 16 * 23040  # bf16: half the bytes per token of fp32
+    llm = LLM(progress=False, **args)
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [a.token_ids for a in alone]
+    if name == "tiny-pool":
+        assert llm.engine.core.scheduler.num_preemptions > 0
     del llm
     gc.collect()
 

@@ -65,6 +65,10 @@ class EngineConfig:
     num_threads: int | None = _opt("Torch intra-op threads (default: all cores).", default=None)
     max_logprobs: int = _opt("Most logprobs a request may ask for.", default=20)
     trust_remote_code: bool = _opt("Allow tokenizers with custom code.", default=False)
+    batch_invariant: bool = _opt(
+        "Make every result independent of batch composition, chunking, prefix-cache hits and preemption, "
+        "in bf16 too (GEMMs in fixed 32-row tiles, attention one query at a time). Slower, notably for long "
+        "prompts. Needs the cpu_paged backend.", default=False)
     attention_backend: str = _opt("Attention kernels: auto (cpu_paged on CPU when its C++ kernel builds, else "
                                   "torch_sdpa), cpu_paged, torch_sdpa.", default="auto",
                                   meta={"choices": ["auto", "cpu_paged", "torch_sdpa"]})

@@ -127,6 +127,12 @@ class LlamaForCausalLM(nn.Module):
     def kv_caches(self) -> list:
         return [layer.self_attn for layer in self.model.layers]
 
+    def set_row_tile(self, tile: int) -> None:
+        """Batch-invariant GEMMs (see layers.linear.in_row_tiles)."""
+        for module in self.modules():
+            if hasattr(module, "row_tile"):
+                module.row_tile = tile
+
     def use_cpu_kernels(self) -> bool:
         """Switch norms, SiLU-and-mul and rotary to tokenmill's fused CPU kernels where the shapes
         allow (row sizes a multiple of 32, head_dim a multiple of 64). Returns whether it did."""

@@ -49,6 +49,12 @@ class Worker:
         self.weight_bytes = self.model.weight_bytes
         # the CPU attention kernel comes with fused norm / SiLU / rotary kernels from the same build
         self.fused_ops = self.backend.name == "cpu_paged" and self.model.use_cpu_kernels()
+        if config.batch_invariant:
+            if self.backend.name != "cpu_paged":
+                raise ConfigError("batch_invariant needs the cpu_paged attention backend (CPU, C++ kernels)",
+                                  param="batch_invariant")
+            self.backend.per_row = True
+            self.model.set_row_tile(32)
         logger.info("loaded %s (%s, %s, %.0f MiB of weights, %s attention) in %.1fs", source.name, self.dtype,
                     self.device, self.weight_bytes / 2**20, self.backend.name, time.monotonic() - t0)
         fail_on = os.environ.get("TOKENMILL_DEBUG_FAIL_ON_TOKEN")

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.layers.linear import can_prepack, default_weight_loader
+from tokenmill.model.layers.linear import can_prepack, default_weight_loader, in_row_tiles
 
 
 class VocabEmbedding(nn.Module):
@@ -22,6 +22,7 @@ class LMHead(VocabEmbedding):
     """Projects hidden states to vocabulary logits (fp32, for sampling). May share the embedding."""
 
     packed_weight: torch.Tensor | None = None
+    row_tile: int | None = None  # batch-invariant mode (see linear.in_row_tiles)
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
@@ -32,6 +33,9 @@ class LMHead(VocabEmbedding):
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return in_row_tiles(self._matmul, hidden, self.row_tile).float()
+
+    def _matmul(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "").float()
-        return F.linear(hidden, self.weight).float()
+            return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "")
+        return F.linear(hidden, self.weight)

@@ -42,11 +42,24 @@ class Linear(nn.Module):
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     packed_weight: torch.Tensor | None = None
+    row_tile: int | None = None  # batch-invariant mode: GEMMs in fixed row tiles
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return in_row_tiles(self._matmul, x, self.row_tile)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def in_row_tiles(fn, x: torch.Tensor, tile: int | None) -> torch.Tensor:
+    """fn(x), computed `tile` rows at a time. oneDNN picks its GEMM kernel (and so the order of
+    its sums) by the number of rows; up to 32 rows every row comes out as if computed alone, so
+    tiling makes each token's result independent of what else is in the batch."""
+    if tile is None or x.shape[0] <= tile:
+        return fn(x)
+    return torch.cat([fn(x[i:i + tile]) for i in range(0, x.shape[0], tile)])
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
