@@ -27,6 +27,7 @@ def server():
     srv = ServerProcess("--dtype", "float32").wait_ready()
     yield srv
     assert srv.stop() == 0, srv.log()
+    assert "Traceback" not in srv.log(), srv.log()  # every error above was handled, none crashed a handler
 
 
 @pytest.fixture(scope="module")

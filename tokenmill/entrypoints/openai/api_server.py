@@ -178,6 +178,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
                                             "max_model_len": engine.engine.max_model_len}]}
 
     async def respond(result):
+        if isinstance(result, Response):  # the client went away first
+            return result
         if isinstance(result, dict):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream",
