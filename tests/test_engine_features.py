@@ -144,7 +144,7 @@ def test_async_engine_streams_and_aborts_when_consumer_leaves(smol_bf16):
     assert sum(i.num_generation_tokens for i in its) >= 17
     assert any(i.ttfts for i in its) and any(i.itls for i in its)
     fin = [f for i in its for f in i.finished]
-    assert fin and fin[0].finish_reason == "length" and fin[0].e2e_latency >= fin[0].ttft > 0
+    assert fin and fin[0].finish_reasons == ["length"] and fin[0].e2e_latency >= fin[0].ttft > 0
     assert fin[0].queue_time >= 0 and fin[0].num_prompt_tokens > 0
     s = recorder.sched[-1]
     assert s.kv_blocks_total == kv.num_blocks and s.prefix_queries >= s.prefix_hits >= 0

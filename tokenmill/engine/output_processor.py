@@ -201,9 +201,8 @@ class OutputProcessor:
     @staticmethod
     def _finished_stats(state: _RequestState) -> FinishedRequestStats:
         m = state.metrics
-        reasons = [c.finish_reason for c in state.children.values()]
         return FinishedRequestStats(
-            finish_reason=reasons[0] if len(set(reasons)) == 1 else "mixed",
+            finish_reasons=[c.finish_reason for c in state.children.values()],
             e2e_latency=m.finished_time - m.arrival_time,
             queue_time=(m.first_scheduled_time or m.finished_time) - m.arrival_time,
             num_prompt_tokens=len(state.p.prompt_token_ids),

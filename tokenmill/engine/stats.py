@@ -13,7 +13,7 @@ logger = logging.getLogger("tokenmill.stats")
 
 @dataclass
 class FinishedRequestStats:
-    finish_reason: str
+    finish_reasons: list[str]  # one per sample (n > 1 has several)
     e2e_latency: float
     queue_time: float
     num_prompt_tokens: int

@@ -45,7 +45,7 @@ class PrometheusStatLogger(StatLogger):
         self.preemptions = counter("num_preemptions", "Requests preempted (KV cache exhausted).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got a first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.success = Counter("tokenmill:request_success", "Finished requests by finish reason.",
+        self.success = Counter("tokenmill:request_success", "Finished requests (each of n samples) by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         self.model_name = model_name
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY)
@@ -70,7 +70,8 @@ class PrometheusStatLogger(StatLogger):
         for t in it.itls:
             self.itl.observe(t)
         for f in it.finished:
-            self.success.labels(model_name=self.model_name, finished_reason=f.finish_reason).inc()
+            for reason in f.finish_reasons:
+                self.success.labels(model_name=self.model_name, finished_reason=reason).inc()
             self.e2e.observe(f.e2e_latency)
             self.queue.observe(f.queue_time)
             self.req_prompt.observe(f.num_prompt_tokens)
