@@ -102,3 +102,15 @@ def test_cli_flags_from_environment_and_errors():
     assert r.returncode == 2 and "TOKENMILL_MAX_NUM_SEQS" in r.stderr
     r = _cli("generate", "--model", "/no/such/model", "hi")
     assert r.returncode == 1 and "not found" in r.stderr
+
+
+def test_chat_template_override(tmp_path, tiny_llama_dir):
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    path = tmp_path / "template.jinja"
+    path.write_text(template)
+    for given in (template, str(path)):
+        llm = LLM(str(tiny_llama_dir), chat_template=given, kv_cache_memory="32MiB", progress=False)
+        out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        assert llm.get_tokenizer().decode(out.prompt_token_ids) == "[user] hi\n[assistant] "
+    with pytest.raises(ConfigError, match="chat template"):
+        LLM(str(tiny_llama_dir), chat_template="/no/such/file.jinja", kv_cache_memory="32MiB", progress=False)

@@ -42,6 +42,8 @@ class EngineConfig:
         "(smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b). Default: the embedded SmolLM2-135M-Instruct.",
         default=None)
     tokenizer: str | None = _opt("Tokenizer folder, if not the model's own.", default=None)
+    chat_template: str | None = _opt("Chat template to use instead of the model's: a Jinja file or the template "
+                                     "itself.", default=None)
     served_model_name: str | None = _opt("Model name reported by the API (default: derived from the model).",
                                          default=None)
     dtype: str = _opt("Weights and activations dtype: auto (bf16 on CPUs with AMX/AVX512-BF16 "

@@ -7,14 +7,16 @@ the offline `LLM` drives it directly; `AsyncLLMEngine` drives it from one engine
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.stats import IterationStats, StatLogger
-from tokenmill.errors import EngineStepError, InvalidRequestError
+from tokenmill.errors import ConfigError, EngineStepError, InvalidRequestError
 from tokenmill.model.loader import load_model_config, load_tokenizer, resolve_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -22,10 +24,21 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def load_chat_template(template: str | None) -> str | None:
+    """A path to a Jinja file, or the template text itself."""
+    if template is None:
+        return None
+    path = Path(os.path.expanduser(template))
+    if "{" not in template and not path.is_file():
+        raise ConfigError(f"chat template {template!r} is neither a file nor a Jinja template", param="chat_template")
+    return path.read_text() if path.is_file() else template
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
         t0 = time.monotonic()
+        chat_template = load_chat_template(config.chat_template)  # fail before the slow part
         self.source = resolve_model(config.model)
         self.model_config = load_model_config(self.source)
         self.tokenizer = load_tokenizer(self.source, config.tokenizer, config.trust_remote_code)
@@ -34,7 +47,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len,
-                                        config.max_logprobs, eos, config.torch_device)
+                                        config.max_logprobs, eos, config.torch_device, chat_template)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
         self.served_model_name = config.served_model_name or self.source.name

@@ -29,8 +29,9 @@ def child_id(parent_id: str, index: int, n: int) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 eos_token_ids: set[int], device: torch.device):
+                 eos_token_ids: set[int], device: torch.device, chat_template: str | None = None):
         self.tokenizer = tokenizer
+        self.chat_template = chat_template  # overrides the model's
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
@@ -51,7 +52,8 @@ class InputProcessor:
                                   and p.get("type") == "text")
             norm.append({**m, "content": content or ""})
         try:
-            return self.tokenizer.apply_chat_template(norm, tokenize=False, chat_template=chat_template,
+            return self.tokenizer.apply_chat_template(norm, tokenize=False,
+                                                      chat_template=chat_template or self.chat_template,
                                                       add_generation_prompt=add_generation_prompt,
                                                       **template_kwargs)
         except Exception as e:  # template errors (e.g. roles it rejects) are the caller's
