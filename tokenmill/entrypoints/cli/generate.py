@@ -31,7 +31,7 @@ def sampling_from_args(args) -> SamplingParams:
 def register(sub) -> None:
     p = sub.add_parser("generate", help="Complete a prompt, streaming the text to the terminal.")
     p.add_argument("prompt", nargs="?", help="The prompt (read from stdin if omitted).")
-    p.add_argument("--chat-template", action="store_true", help="Wrap the prompt as a user chat message.")
+    p.add_argument("--chat", action="store_true", help="Send the prompt as a user message, in the chat template.")
     add_sampling_args(p, max_tokens=128)
     add_engine_args(p)
     p.set_defaults(func=run_generate)
@@ -71,7 +71,7 @@ def run_generate(args) -> int:
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     engine = _engine(args)
     add_special = True
-    if args.chat_template:
+    if args.chat:
         prompt = engine.processor.render_chat([{"role": "user", "content": prompt}])
         add_special = False
     _stream(engine, prompt, sampling_from_args(args), add_special)
