@@ -114,3 +114,9 @@ def test_chat_template_override(tmp_path, tiny_llama_dir):
         assert llm.get_tokenizer().decode(out.prompt_token_ids) == "[user] hi\n[assistant] "
     with pytest.raises(ConfigError, match="chat template"):
         LLM(str(tiny_llama_dir), chat_template="/no/such/file.jinja", kv_cache_memory="32MiB", progress=False)
+
+
+@pytest.mark.parametrize("command", [["serve"], ["generate"], ["chat"], ["bench", "throughput"], ["bench", "serve"]])
+def test_every_command_has_help(command):
+    r = _cli(*command, "--help")
+    assert r.returncode == 0 and "usage: tokenmill" in r.stdout, r.stderr
