@@ -10,7 +10,7 @@ import pytest
 
 from tokenmill import LLM, EngineConfig, SamplingParams
 from tokenmill.config import parse_size
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.model.loader import resolve_model
 
 
@@ -120,3 +120,9 @@ def test_chat_template_override(tmp_path, tiny_llama_dir):
 def test_every_command_has_help(command):
     r = _cli(*command, "--help")
     assert r.returncode == 0 and "usage: tokenmill" in r.stdout, r.stderr
+
+
+def test_a_bad_prompt_in_a_batch_submits_nothing(smol_bf16):
+    with pytest.raises(InvalidRequestError):
+        smol_bf16.generate(["fine", "also fine", [10**9]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not smol_bf16.engine.has_unfinished_requests()

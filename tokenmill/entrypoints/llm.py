@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import time
 from collections.abc import Sequence
@@ -45,13 +46,12 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        order = []
-        for (prompt, add_special), p in zip(prompts, params):
-            rid = str(next(self._ids))
-            if p.output_kind != RequestOutputKind.FINAL_ONLY:
-                p = _final_only(p)
-            self.engine.add_request(rid, prompt, p, add_special_tokens=add_special)
-            order.append(rid)
+        # validate every prompt before submitting any, so bad input leaves nothing behind
+        processed = [self.engine.process(str(next(self._ids)), prompt, _final_only(p), add_special_tokens=add)
+                     for (prompt, add), p in zip(prompts, params)]
+        for p in processed:
+            self.engine.add_processed(p)
+        order = [p.request_id for p in processed]
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Processed prompts", unit=" req", disable=not use_tqdm,
                    dynamic_ncols=True)
@@ -73,8 +73,9 @@ class LLM:
 
 
 def _final_only(p: SamplingParams) -> SamplingParams:
-    import copy
-
+    """The offline API returns finished requests only: no per-step outputs to build."""
+    if p.output_kind == RequestOutputKind.FINAL_ONLY:
+        return p
     p = copy.copy(p)
     p.output_kind = RequestOutputKind.FINAL_ONLY
     return p
