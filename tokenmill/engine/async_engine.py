@@ -107,10 +107,13 @@ class AsyncLLMEngine:
                 kind, arg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self.engine.add_processed(arg)
-            else:
+            if kind == "abort":
                 self.engine.abort_request(arg)
+                continue
+            try:
+                self.engine.add_processed(arg)
+            except InvalidRequestError as e:  # e.g. a reused request id: fail that request, not the engine
+                self._post(self._fail, [arg.request_id], e)
 
     def _run(self) -> None:
         try:
