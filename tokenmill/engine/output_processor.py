@@ -110,7 +110,7 @@ class OutputProcessor:
                     m.first_token_time = now
                     stats.ttfts.append(now - m.arrival_time)
                     stats.num_prompt_tokens += len(state.p.prompt_token_ids)
-                elif m.last_token_time is not None:
+                elif state.p.request_id not in touched:  # one gap per request and step (n > 1: not per sample)
                     stats.itls.append(now - m.last_token_time)
                 m.last_token_time = now
                 stats.num_generation_tokens += len(o.new_token_ids)
