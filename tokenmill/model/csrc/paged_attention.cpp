@@ -32,6 +32,32 @@ inline void load_floats(const T* src, float* dst, int64_t n) {
   }
 }
 
+// Turn one head's scores into softmax numerators in place (vectorized exp); returns 1 / their sum.
+inline float softmax_numerators(float* s, int64_t L) {
+  float m = -INFINITY;
+  for (int64_t t = 0; t < L; ++t) m = std::max(m, s[t]);
+  fVec vsum(0.f);
+  int64_t t = 0;
+  for (; t + kVec <= L; t += kVec) {
+    fVec e = (fVec::loadu(s + t) - fVec(m)).exp_u20();
+    e.store(s + t);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& c) { return a + c; }, vsum);
+  for (; t < L; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return 1.f / sum;
+}
+
+// Token t of a sequence, head h: where its D values start in a [num_blocks, BS, Hkv, D] cache.
+template <typename T>
+inline const T* token_row(const T* cache, const int64_t* table, int64_t t, int64_t BS, int64_t row, int64_t h,
+                          int64_t D) {
+  return cache + (table[t / BS] * BS + t % BS) * row + h * D;
+}
+
 template <typename T>
 void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                       const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t BS,
@@ -49,7 +75,7 @@ void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache, co
       scores.resize(G * L);
       // scores = q . k
       for (int64_t t = 0; t < L; ++t) {
-        load_floats(k_cache + (table[t / BS] * BS + t % BS) * row + h * D, kv.data(), D);
+        load_floats(token_row(k_cache, table, t, BS, row, h, D), kv.data(), D);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           fVec s(0.f);
@@ -57,30 +83,12 @@ void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache, co
           scores[g * L + t] = at::vec::vec_reduce_all<float>([](fVec& a, fVec& c) { return a + c; }, s);
         }
       }
-      // softmax numerators, vectorized exp
       std::vector<float> inv(G);
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        float m = -INFINITY;
-        for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-        fVec vsum(0.f);
-        int64_t t = 0;
-        for (; t + kVec <= L; t += kVec) {
-          fVec e = (fVec::loadu(sg + t) - fVec(m)).exp_u20();
-          e.store(sg + t);
-          vsum = vsum + e;
-        }
-        float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& c) { return a + c; }, vsum);
-        for (; t < L; ++t) {
-          sg[t] = std::exp(sg[t] - m);
-          sum += sg[t];
-        }
-        inv[g] = 1.f / sum;
-      }
+      for (int64_t g = 0; g < G; ++g) inv[g] = softmax_numerators(scores.data() + g * L, L);
       // out = softmax . v
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        load_floats(v_cache + (table[t / BS] * BS + t % BS) * row + h * D, kv.data(), D);
+        load_floats(token_row(v_cache, table, t, BS, row, h, D), kv.data(), D);
         for (int64_t g = 0; g < G; ++g) {
           const fVec p(scores[g * L + t]);
           float* ag = acc.data() + g * D;
@@ -130,47 +138,28 @@ void decode_attention_bf16(at::BFloat16* out, const at::BFloat16* q, const at::B
         for (int j = 0; j < NV; ++j)
           qv[g][j] = _mm512_mul_ps(bf16x16_to_f32(q + (b * H + h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
       scores.resize(G * L);
-      float m[8];
-      for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY;
       const int64_t nblocks = (L + BS - 1) / BS;
       for (int64_t t = 0; t < L; ++t) {
         if (t % BS == 0 && t / BS + 1 < nblocks)
           prefetch_block(k_cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * 2);
-        const at::BFloat16* k = k_cache + (table[t / BS] * BS + t % BS) * row + h * D;
+        const at::BFloat16* k = token_row(k_cache, table, t, BS, row, h, D);
         __m512 kv[NV];
         for (int j = 0; j < NV; ++j) kv[j] = bf16x16_to_f32(k + 16 * j);
         for (int64_t g = 0; g < G; ++g) {
           __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
           for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[g][j], kv[j], acc);
-          const float sc = _mm512_reduce_add_ps(acc);
-          scores[g * L + t] = sc;
-          m[g] = sc > m[g] ? sc : m[g];
+          scores[g * L + t] = _mm512_reduce_add_ps(acc);
         }
       }
       float inv[8];
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        fVec vsum(0.f);
-        int64_t t = 0;
-        for (; t + kVec <= L; t += kVec) {
-          fVec e = (fVec::loadu(sg + t) - fVec(m[g])).exp_u20();
-          e.store(sg + t);
-          vsum = vsum + e;
-        }
-        float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& c) { return a + c; }, vsum);
-        for (; t < L; ++t) {
-          sg[t] = std::exp(sg[t] - m[g]);
-          sum += sg[t];
-        }
-        inv[g] = 1.f / sum;
-      }
+      for (int64_t g = 0; g < G; ++g) inv[g] = softmax_numerators(scores.data() + g * L, L);
       __m512 acc[8][NV];
       for (int64_t g = 0; g < G; ++g)
         for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
       for (int64_t t = 0; t < L; ++t) {
         if (t % BS == 0 && t / BS + 1 < nblocks)
           prefetch_block(v_cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * 2);
-        const at::BFloat16* v = v_cache + (table[t / BS] * BS + t % BS) * row + h * D;
+        const at::BFloat16* v = token_row(v_cache, table, t, BS, row, h, D);
         __m512 vv[NV];
         for (int j = 0; j < NV; ++j) vv[j] = bf16x16_to_f32(v + 16 * j);
         for (int64_t g = 0; g < G; ++g) {
