@@ -44,9 +44,6 @@ class KVCacheManager:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit
 
-    def can_fit(self, num_tokens: int) -> bool:
-        return -(-num_tokens // self.block_size) <= self.pool.num_blocks
-
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed: list[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (plus

@@ -67,7 +67,7 @@ class AsyncLLMEngine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet admitted to a batch (read from the event loop; approximate by design)."""
-        return len(self.engine.core.scheduler.waiting) + self._inbox.qsize()
+        return self.engine.num_waiting() + self._inbox.qsize()
 
     # --- requests ---------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

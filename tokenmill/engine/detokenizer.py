@@ -54,7 +54,3 @@ class IncrementalDetokenizer:
         out = self.text[self.sent:end]
         self.sent = end
         return out
-
-    @property
-    def released_text(self) -> str:
-        return self.text[:self.sent]
