@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     args = ap.parse_args()
 
-    engine = LLMEngine(EngineConfig(dtype=args.dtype, attention_backend=args.attention_backend,
+    engine = LLMEngine(EngineConfig.from_kwargs(dtype=args.dtype, attention_backend=args.attention_backend,
                                     kv_cache_memory="1GiB", max_model_len=2048), progress=False)
     for i, r in enumerate(synthetic(engine.tokenizer, args.num_prompts, args.input_len, args.output_len)):
         engine.add_request(str(i), r.prompt, SamplingParams(max_tokens=args.output_len, ignore_eos=True))

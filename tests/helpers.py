@@ -17,7 +17,7 @@ class FlatBatchDriver:
     def __init__(self, engine):
         core = engine.core
         self.runner = core.worker.runner
-        self.kv = KVCacheManager(core.kv.num_blocks, core.config.block_size, enable_caching=False)
+        self.kv = KVCacheManager(core.kv.num_blocks, core.config.cache.block_size, enable_caching=False)
 
     def new(self, rid: str, tokens: list[int]) -> Request:
         return Request(rid, list(tokens), SamplingParams(), set(), 1 << 20, 0.0)

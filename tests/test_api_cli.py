@@ -43,16 +43,16 @@ def test_chat_uses_the_template(smol_bf16):
 
 def test_engine_config_validation():
     with pytest.raises(ConfigError, match="max_num_seqs"):
-        EngineConfig(max_num_seqs=0)
+        EngineConfig.from_kwargs(max_num_seqs=0)
     with pytest.raises(ConfigError, match="block_size"):
-        EngineConfig(block_size=12)
+        EngineConfig.from_kwargs(block_size=12)
     with pytest.raises(ConfigError, match="dtype"):
-        EngineConfig(dtype="int3")
+        EngineConfig.from_kwargs(dtype="int3")
     with pytest.raises(ConfigError, match="not both"):
-        EngineConfig(kv_cache_memory="1GiB", memory_utilization=0.5)
+        EngineConfig.from_kwargs(kv_cache_memory="1GiB", memory_utilization=0.5)
     with pytest.raises(ConfigError, match="unknown engine argument"):
         EngineConfig.from_kwargs(max_num_seq=4)
-    assert EngineConfig(kv_cache_memory="48MiB").kv_cache_memory == 48 * 2**20
+    assert EngineConfig.from_kwargs(kv_cache_memory="48MiB").cache.kv_cache_memory == 48 * 2**20
     assert parse_size("4GiB") == 4 * 2**30 and parse_size("2GB") == 2 * 10**9 and parse_size(1024) == 1024
     with pytest.raises(ConfigError):
         parse_size("lots")

@@ -38,13 +38,14 @@ def main(args) -> int:
     from tokenmill.entrypoints.llm import LLM
 
     cfg = engine_config_from_args(args)
-    llm = LLM(**{k: v for k, v in vars(cfg).items() if not k.startswith("_")})
+    llm = LLM(**cfg.to_kwargs())
     requests = load_workload(llm.get_tokenizer(), args)
     if args.warmup:
         run_throughput(llm, requests[: min(len(requests), 4)], use_tqdm=False)
     result = run_throughput(llm, requests)
     result["config"] = {"model": llm.engine.served_model_name, "dtype": str(llm.engine.core.worker.dtype),
-                        "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens}
+                        "max_num_seqs": cfg.scheduler.max_num_seqs,
+                        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens}
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
           f"{result['input_tokens_per_s']:.1f} input tok/s, {result['output_tokens_per_s']:.1f} output tok/s, "
           f"{result['total_tokens_per_s']:.1f} total tok/s ({result['num_requests']} requests in "

@@ -26,8 +26,8 @@ class EngineCore:
         self.config = config
         self.worker = Worker(config, source, model_config, progress=progress)
         self.max_model_len = self.worker.max_model_len
-        self.kv = KVCacheManager(self.worker.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+        self.kv = KVCacheManager(self.worker.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
                                    self.max_model_len)
         self.num_steps = 0
 

@@ -38,19 +38,19 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True):
         self.config = config
         t0 = time.monotonic()
-        chat_template = load_chat_template(config.chat_template)  # fail before the slow part
-        self.source = resolve_model(config.model)
+        chat_template = load_chat_template(config.model.chat_template)  # fail before the slow part
+        self.source = resolve_model(config.model.model)
         self.model_config = load_model_config(self.source)
-        self.tokenizer = load_tokenizer(self.source, config.tokenizer, config.trust_remote_code)
+        self.tokenizer = load_tokenizer(self.source, config.model.tokenizer, config.model.trust_remote_code)
         self.core = EngineCore(config, self.source, self.model_config, progress=progress)
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len,
-                                        config.max_logprobs, eos, config.torch_device, chat_template)
+                                        config.model.max_logprobs, eos, config.model.torch_device, chat_template)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
-        self.served_model_name = config.served_model_name or self.source.name
+        self.served_model_name = config.model.served_model_name or self.source.name
         self.last_iteration_stats = IterationStats()
         logger.info("engine ready in %.1fs", time.monotonic() - t0)
 

@@ -9,14 +9,25 @@ import sys
 
 import torch
 
+from tokenmill.utils.cpu import cap_onednn
+
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 def configure_cpu(num_threads: int | None) -> None:
-    torch.set_num_threads(num_threads or os.cpu_count() or 1)
+    cap_onednn()
+    torch.set_num_threads(num_threads or default_num_threads())
     _keep_freed_memory()
+
+
+def default_num_threads() -> int:
+    """$OMP_NUM_THREADS when set (as torch itself reads it), else every core."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return os.cpu_count() or 1
 
 
 def _keep_freed_memory() -> None:

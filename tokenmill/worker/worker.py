@@ -24,32 +24,33 @@ _MAX_DEFAULT_MODEL_LEN = 8192
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    if config.max_model_len is None:
+    requested = config.model.max_model_len
+    if requested is None:
         return min(model_config.max_position_embeddings, _MAX_DEFAULT_MODEL_LEN)
-    if config.max_model_len > model_config.max_position_embeddings and not model_config.rope_scaling:
-        logger.warning("max_model_len %d exceeds the model's context %d", config.max_model_len,
+    if requested > model_config.max_position_embeddings and not model_config.rope_scaling:
+        logger.warning("max_model_len %d exceeds the model's context %d", requested,
                        model_config.max_position_embeddings)
-    return config.max_model_len
+    return requested
 
 
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True):
         self.config = config
         self.model_config = model_config
-        self.device = config.torch_device
-        self.dtype = config.torch_dtype
+        self.device = config.model.torch_device
+        self.dtype = config.model.torch_dtype
         if self.device.type == "cpu":
-            configure_cpu(config.num_threads)
+            configure_cpu(config.parallel.num_threads)
         self.max_model_len = resolve_max_model_len(config, model_config)
         t0 = time.monotonic()
-        self.backend = get_attention_backend(config.attention_backend, config.block_size, self.device,
+        self.backend = get_attention_backend(config.kernel.attention_backend, config.cache.block_size, self.device,
                                              model_config.head_dim)
         self.model = build_model(source, model_config, self.backend, self.max_model_len, self.dtype,
                                  self.device, progress=progress)
         self.weight_bytes = self.model.weight_bytes
         # the CPU attention kernel comes with fused norm / SiLU / rotary kernels from the same build
         self.fused_ops = self.backend.name == "cpu_paged" and self.model.use_cpu_kernels()
-        if config.batch_invariant:
+        if config.kernel.batch_invariant:
             if self.backend.name != "cpu_paged":
                 raise ConfigError("batch_invariant needs the cpu_paged attention backend (CPU, C++ kernels)",
                                   param="batch_invariant")
@@ -58,8 +59,8 @@ class Worker:
         logger.info("loaded %s (%s, %s, %.0f MiB of weights, %s attention) in %.1fs", source.name, self.dtype,
                     self.device, self.weight_bytes / 2**20, self.backend.name, time.monotonic() - t0)
         fail_on = os.environ.get("TOKENMILL_DEBUG_FAIL_ON_TOKEN")
-        self.runner = ModelRunner(self.model, self.backend, config.block_size, model_config.vocab_size,
-                                  self.device, config.seed, fail_on_token=int(fail_on) if fail_on else None)
+        self.runner = ModelRunner(self.model, self.backend, config.cache.block_size, model_config.vocab_size,
+                                  self.device, config.model.seed, fail_on_token=int(fail_on) if fail_on else None)
         self.num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_blocks, model_config.num_key_value_heads,
                                       model_config.head_dim, self.dtype)
@@ -69,7 +70,7 @@ class Worker:
         return self.model_config.kv_bytes_per_token * self.dtype.itemsize
 
     def _kv_budget(self) -> int:
-        c = self.config
+        c = self.config.cache
         if c.kv_cache_memory is not None:
             return c.kv_cache_memory
         if self.device.type == "cuda":
@@ -83,7 +84,7 @@ class Worker:
         return min(_DEFAULT_KV_BYTES, available // 2)
 
     def _num_kv_blocks(self) -> int:
-        bs = self.config.block_size
+        bs = self.config.cache.block_size
         budget = self._kv_budget()
         num_blocks = max(budget, 0) // (bs * self.kv_bytes_per_token)
         capacity = num_blocks * bs

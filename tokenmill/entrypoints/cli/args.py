@@ -1,5 +1,6 @@
 """Command-line flags generated from config dataclasses: `field_name` -> `--field-name`, with the
-default read from `TOKENMILL_FIELD_NAME` when set, and the field's help text."""
+default read from `TOKENMILL_FIELD_NAME` when set, and the field's help text. The engine's groups
+(EngineConfig's model, cache, scheduler, ...) each become an argument group of flat flags."""
 
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ def _parse_env(value: str, tp, name: str):
         raise ConfigError(f"{env_name(name)}={value!r} is not a valid {tp.__name__}") from None
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    group = parser.add_argument_group(cls.__name__)
+def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (),
+                       title: str | None = None) -> None:
+    group = parser.add_argument_group(title or cls.__name__, (cls.__doc__ or "").strip() or None)
     for f in dataclasses.fields(cls):
         if f.name in skip or f.name.startswith("_"):
             continue
@@ -70,12 +72,14 @@ def dataclass_from_args(cls, args: argparse.Namespace, **overrides):
 
 
 def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    add_dataclass_args(parser, EngineConfig)
+    for name, tp in EngineConfig.group_types().items():
+        add_dataclass_args(parser, tp, title=f"engine: {name}")
     if positional_model:
         parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                             help="Model (same as --model).")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    model = getattr(args, "model_pos", None) or args.model
-    return dataclass_from_args(EngineConfig, args, model=model)
+    values = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
+    values["model"] = getattr(args, "model_pos", None) or args.model
+    return EngineConfig.from_kwargs(**values)

@@ -54,7 +54,7 @@ class ServerState:
         self.metrics: PrometheusStatLogger | None = None
         self.completions: CompletionServing | None = None
         self.chat: ChatServing | None = None
-        self.model_name = engine_config.served_model_name
+        self.model_name = engine_config.model.served_model_name
 
     def ready(self) -> AsyncLLMEngine:
         if self.engine is None:

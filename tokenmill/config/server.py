@@ -1,0 +1,31 @@
+"""Settings of `tokenmill serve` beyond the engine's (flags and TOKENMILL_* variables alike)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.errors import ConfigError
+
+
+@dataclass
+class ServerConfig:
+    """Settings of `tokenmill serve` beyond the engine's (flags and TOKENMILL_* variables alike)."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to bind (loopback by default)."})
+    port: int = field(default=8000, metadata={"help": "Port to listen on."})
+    api_key: str | None = field(default=None, metadata={
+        "help": "Require 'Authorization: Bearer KEY' on the API (health, metrics and version stay open)."})
+    max_queue_len: int = field(default=512, metadata={
+        "help": "Waiting requests beyond which new ones get 429 with Retry-After."})
+    request_timeout: float | None = field(default=600.0, metadata={
+        "help": "Seconds after which a request is aborted (none: no limit)."})
+    shutdown_grace: float = field(default=30.0, metadata={
+        "help": "On SIGTERM/SIGINT, seconds to let in-flight requests finish before exiting."})
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}", param="port")
+        if self.max_queue_len < 1:
+            raise ConfigError("max_queue_len must be >= 1", param="max_queue_len")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            self.request_timeout = None
