@@ -107,3 +107,10 @@ def tiny_mistral_dir(tmp_path_factory, smol_tokenizer_dir):
     folder = tmp_path_factory.mktemp("tiny-mistral")
     _save_tiny("mistral", folder, smol_tokenizer_dir)
     return folder
+
+
+def pytest_report_header(config):
+    from tokenmill.utils.cpu import cpu_flags, describe
+
+    amx = "with AMX" if "amx_tile" in cpu_flags() else "no AMX"
+    return f"tokenmill CPU: {describe()} ({amx}); TOKENMILL_CPU_ISA caps the level"

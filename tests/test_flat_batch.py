@@ -53,13 +53,78 @@ def _tv(a, b):
     return (a.softmax(-1) - b.softmax(-1)).abs().sum(-1) / 2
 
 
-def test_mixed_flat_batch_bf16(smol_bf16, smol_fp32):
-    # bf16 kernels of different shapes round differently, so mixed and alone differ by bf16 noise
-    # (up to ~0.15 total variation on this model). The bound that matters: batching adds no error
-    # beyond bf16's own -- mixed is no farther from the fp32 truth than alone is, +0.02.
-    truth = [alone for _, alone in _mixed_vs_alone(smol_fp32)]
-    for (mixed, alone), t in zip(_mixed_vs_alone(smol_bf16), truth):
-        assert _tv(mixed, t).max() <= _tv(alone, t).max() + 0.02
+PASSAGES = [
+    "The history of the Roman Empire spans many centuries, beginning with the founding of the city and ending "
+    "with the fall of Constantinople. Its roads, laws and language shaped Europe for a thousand years after.",
+    "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n    pivot = xs[0]\n    left = [x for x in xs[1:] "
+    "if x < pivot]\n    right = [x for x in xs[1:] if x >= pivot]\n    return quicksort(left) + [pivot] + "
+    "quicksort(right)\n",
+    "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. It happens in the chloroplasts "
+    "of plant cells, where chlorophyll absorbs mostly red and blue light and reflects green.",
+    "Q: What is the boiling point of water at sea level?\nA: 100 degrees Celsius, or 212 degrees Fahrenheit.\n"
+    "Q: And on the summit of Mount Everest?\nA: About 70 degrees Celsius, because the air pressure is lower.",
+] * 3
+
+
+def _alone_all(driver, seqs):
+    return [_alone(driver, s) for s in seqs]
+
+
+def _random_chunks(driver, seqs, seed):
+    """Every sequence fed in random chunk sizes, several sequences per step, single-token steps
+    (decodes) mixed in. Returns each sequence's logits, position by position."""
+    import random
+
+    rng = random.Random(seed)
+    reqs = [driver.new(str(i), s) for i, s in enumerate(seqs)]
+    done, got = [0] * len(seqs), [[] for _ in seqs]
+    while any(d < len(s) for d, s in zip(done, seqs)):
+        items = [(i, 1 if rng.random() < 0.4 else rng.randint(2, 40)) for i in range(len(seqs))
+                 if done[i] < len(seqs[i]) and rng.random() < 0.7]
+        items = sorted(((i, min(n, len(seqs[i]) - done[i])) for i, n in items), key=lambda x: x[1] != 1)
+        if not items:
+            continue
+        for (i, n), logits in zip(items, driver.step([(reqs[i], n) for i, n in items])):
+            got[i].append(logits)
+            done[i] += n
+    driver.free(*reqs)
+    return [torch.cat(g) for g in got]
+
+
+def test_batching_adds_no_bf16_error(smol_bf16, smol_fp32):
+    """bf16 kernels of different shapes round differently, so a token's logits computed in a mixed
+    batch differ from alone by bf16 noise (up to ~0.13 total variation at single positions of this
+    model, either way). What matters is that batching adds no error beyond bf16's own: over ~500
+    positions, batched logits are on average no farther from the fp32 truth than alone ones."""
+    tok = smol_fp32.get_tokenizer()
+    seqs = [tok.encode(p)[:n] for p, n in zip(PASSAGES, [20, 35, 50, 64, 30, 41, 57, 28, 45, 60, 33, 48])]
+    truth = _alone_all(FlatBatchDriver(smol_fp32.engine), seqs)
+    driver = FlatBatchDriver(smol_bf16.engine)
+    alone = torch.cat([_tv(a, t) for a, t in zip(_alone_all(driver, seqs), truth)])
+    for seed in range(2):
+        mixed = torch.cat([_tv(m, t) for m, t in zip(_random_chunks(driver, seqs, seed), truth)])
+        assert mixed.mean() <= alone.mean() * 1.1 + 1e-3, (mixed.mean(), alone.mean())
+
+
+def test_batch_invariant_flat_batch_is_bitwise_alone():
+    """In batch-invariant mode every token's logits equal alone's bit for bit, whatever the mix,
+    or the engine refuses the mode at start-up (on a CPU where it cannot hold)."""
+    from tokenmill.errors import ConfigError
+
+    try:
+        llm = LLM(dtype="bfloat16", batch_invariant=True, kv_cache_memory="64MiB", max_model_len=512,
+                  progress=False)
+    except ConfigError as e:
+        assert "batch_invariant is not available on this CPU" in str(e)
+        return
+    tok = llm.get_tokenizer()
+    seqs = [tok.encode(p)[:n] for p, n in zip(PASSAGES, [20, 35, 50, 64, 30, 41])]
+    driver = FlatBatchDriver(llm.engine)
+    alone = _alone_all(driver, seqs)
+    for mixed, ref in zip(_random_chunks(driver, seqs, seed=0), alone):
+        assert torch.equal(mixed, ref)
+    for mixed, ref in _mixed_vs_alone(llm):
+        assert torch.equal(mixed, ref)
 
 
 @pytest.mark.parametrize("backend", ["cpu_paged", "torch_sdpa"])

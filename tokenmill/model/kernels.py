@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.model.loader.cache import cache_root
+from tokenmill.utils.cpu import active_isa
 
 logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "elementwise.cpp")]
@@ -32,23 +33,15 @@ _lock = threading.Lock()
 _loaded: bool | None = None
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _isa_flags() -> list[str]:
-    flags = _cpu_flags()
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                "-mavx512dq", "-mfma"]
-    if {"avx2", "fma"} <= flags:
+    """Compiler flags for the active ISA level (utils/cpu.py; TOKENMILL_CPU_ISA caps it): one build
+    per level, so a capped run exercises the lower level's code paths."""
+    level = active_isa()
+    if level in ("avx512", "avx512_bf16", "amx"):
+        flags = ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                 "-mavx512dq", "-mfma"]
+        return flags + (["-mavx512bf16", "-mavx512vnni"] if level != "avx512" else [])
+    if level == "avx2":
         return ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"]
     return []
 

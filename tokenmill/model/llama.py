@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.layers]
 
     def set_row_tile(self, tile: int) -> None:
-        """Batch-invariant GEMMs (see layers.linear.in_row_tiles)."""
+        """Batch-invariant GEMMs (see layers.batch_invariance)."""
         for module in self.modules():
             if hasattr(module, "row_tile"):
                 module.row_tile = tile

@@ -12,6 +12,7 @@ import torch
 from tokenmill.config import EngineConfig, available_memory_bytes
 from tokenmill.errors import ConfigError
 from tokenmill.model.attention import get_attention_backend
+from tokenmill.model.layers.batch_invariance import ROW_TILE, verify_row_invariance
 from tokenmill.model.loader import ModelSource, build_model
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.worker.cpu_env import configure_cpu
@@ -55,7 +56,8 @@ class Worker:
                 raise ConfigError("batch_invariant needs the cpu_paged attention backend (CPU, C++ kernels)",
                                   param="batch_invariant")
             self.backend.per_row = True
-            self.model.set_row_tile(32)
+            self.model.set_row_tile(ROW_TILE)
+            verify_row_invariance(self.model)
         logger.info("loaded %s (%s, %s, %.0f MiB of weights, %s attention) in %.1fs", source.name, self.dtype,
                     self.device, self.weight_bytes / 2**20, self.backend.name, time.monotonic() - t0)
         fail_on = os.environ.get("TOKENMILL_DEBUG_FAIL_ON_TOKEN")

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.model.layers.linear import can_prepack, default_weight_loader, in_row_tiles
+from tokenmill.model.layers.batch_invariance import in_row_tiles
+from tokenmill.model.layers.linear import default_weight_loader, prepack
 
 
 class VocabEmbedding(nn.Module):
@@ -22,15 +23,22 @@ class LMHead(VocabEmbedding):
     """Projects hidden states to vocabulary logits (fp32, for sampling). May share the embedding."""
 
     packed_weight: torch.Tensor | None = None
-    row_tile: int | None = None  # batch-invariant mode (see linear.in_row_tiles)
+    row_tile: int | None = None  # batch-invariant mode (see batch_invariance.in_row_tiles)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def process_weights_after_loading(self) -> None:
         # a packed copy (the embedding may share the plain weight): ~2x faster at decode batch sizes
-        if can_prepack(self.weight):
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
+        self.packed_weight = prepack(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return in_row_tiles(self._matmul, hidden, self.row_tile).float()

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import ConfigError
+from tokenmill.model.layers.batch_invariance import in_row_tiles
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -37,8 +38,8 @@ class Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         """On CPU in bf16, hand the weight to oneDNN pre-packed: 1.3-2x faster GEMMs at the small
         batch sizes of decoding. The plain weight is dropped (it cannot be loaded into again)."""
-        if can_prepack(self.weight):
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
+        self.packed_weight = prepack(self.weight)
+        if self.packed_weight is not None:
             self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     packed_weight: torch.Tensor | None = None
@@ -53,18 +54,16 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def in_row_tiles(fn, x: torch.Tensor, tile: int | None) -> torch.Tensor:
-    """fn(x), computed `tile` rows at a time. oneDNN picks its GEMM kernel (and so the order of
-    its sums) by the number of rows; up to 32 rows every row comes out as if computed alone, so
-    tiling makes each token's result independent of what else is in the batch."""
-    if tile is None or x.shape[0] <= tile:
-        return fn(x)
-    return torch.cat([fn(x[i:i + tile]) for i in range(0, x.shape[0], tile)])
-
-
-def can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's pre-packed copy of a bf16 CPU weight, or None where oneDNN has no bf16 GEMM for this
+    CPU (it needs AVX-512 or AVX-NE-CONVERT; plain AVX2 runs bf16 through F.linear)."""
+    if not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.data)
+    except RuntimeError:
+        return None
 
 
 class MergedLinear(Linear):
