@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.messages import CoreSamplingParams
 from tokenmill.core.request import Request
-from tokenmill.core.scheduler import ScheduledRequest
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.core.scheduler_output import NewRequestData
+from tokenmill.worker.request_state import RequestState
 
 
 class FlatBatchDriver:
@@ -20,7 +21,7 @@ class FlatBatchDriver:
         self.kv = KVCacheManager(core.kv.num_blocks, core.config.cache.block_size, enable_caching=False)
 
     def new(self, rid: str, tokens: list[int]) -> Request:
-        return Request(rid, list(tokens), SamplingParams(), set(), 1 << 20, 0.0)
+        return Request(rid, list(tokens), CoreSamplingParams(), set(), 1 << 20, 0.0)
 
     @torch.inference_mode()
     def step(self, items: list[tuple[Request, int]]) -> list[torch.Tensor]:
@@ -28,7 +29,9 @@ class FlatBatchDriver:
         batch = []
         for req, n in items:
             assert self.kv.allocate_slots(req, n) is not None
-            batch.append(ScheduledRequest(req, n, self.kv.block_ids(req)))
+            new = NewRequestData(req.request_id, req.all_token_ids, req.params, [], self.kv.block_ids(req),
+                                 req.num_computed_tokens)
+            batch.append((RequestState.new(new, self.runner.device), n))
         input_ids, positions, layout = self.runner.prepare_inputs(batch)
         meta = self.runner.backend.build_metadata(layout)
         logits = self.runner.model.compute_logits(self.runner.model(input_ids, positions, meta))

@@ -1,17 +1,21 @@
 """Block pool, KV cache manager and scheduler invariants, on the core alone (no model: sampled
-tokens are random ids), under randomized mixes of arrivals, finishes, aborts and preemptions."""
+tokens are random ids), under randomized mixes of arrivals, finishes, aborts and preemptions.
+The runner's own per-request state, fed only the SchedulerOutput deltas, must match the core's."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 
 from tokenmill.core.block_pool import BlockPool
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.messages import CoreSamplingParams
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.core.scheduler_output import ModelRunnerOutput
+from tokenmill.worker.request_state import RequestStates
 
 BS = 4
 
@@ -19,7 +23,7 @@ BS = 4
 def make_req(rid, n_prompt, max_tokens, rng=None, prefix=()):
     rng = rng or random.Random(0)
     ids = list(prefix) + [rng.randrange(1000) for _ in range(n_prompt - len(prefix))]
-    return Request(str(rid), ids, SamplingParams(max_tokens=max_tokens), {999_999}, max_tokens, float(rid))
+    return Request(str(rid), ids, CoreSamplingParams(), {999_999}, max_tokens, float(rid))
 
 
 def check(sched: Scheduler, out=None):
@@ -36,16 +40,36 @@ def check(sched: Scheduler, out=None):
     for r in sched.running:  # computed tokens are covered by the request's blocks...
         assert len(kv.req_blocks.get(r.request_id, ())) * BS >= r.num_computed_tokens
     if out is not None:
-        assert out.num_batched_tokens == sum(s.num_tokens for s in out.scheduled) <= sched.max_num_batched_tokens
-        assert len(out.scheduled) <= sched.max_num_seqs
-        assert len({s.request.request_id for s in out.scheduled}) == len(out.scheduled)
+        n = out.num_scheduled_tokens
+        assert out.total_num_scheduled_tokens == sum(n.values()) <= sched.max_num_batched_tokens
+        assert len(n) <= sched.max_num_seqs
+        deltas = [r.req_id for r in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_cached_reqs]
+        assert sorted(deltas) == sorted(n)  # one delta per scheduled request
 
 
-def run_step(sched: Scheduler, rng):
+def check_runner_state(sched: Scheduler, out, states: RequestStates):
+    """The runner's view, built from deltas alone, equals the core's for every scheduled request."""
+    for rid in out.num_scheduled_tokens:
+        req, state = sched.requests[rid], states[rid]
+        assert state.token_ids == req.all_token_ids and state.output_token_ids == req.output_token_ids
+        assert state.block_ids == sched.kv.block_ids(req)
+        assert state.num_computed_tokens == req.num_computed_tokens
+
+
+def run_step(sched: Scheduler, rng, states: RequestStates | None = None):
     out = sched.schedule()
     check(sched, out)
-    sampled = {s.request.request_id: rng.randrange(1000) for s in out.scheduled if s.samples}
-    sched.update(out, sampled)
+    sampled = {}
+    for rid, n in out.num_scheduled_tokens.items():
+        req = sched.requests[rid]
+        if req.num_computed_tokens + n == req.num_tokens:  # reaches the last token: samples
+            sampled[rid] = [rng.randrange(1000)]
+    if states is not None:
+        states.apply(out, torch.device("cpu"))
+        check_runner_state(sched, out, states)
+        for rid, (token,) in sampled.items():  # the runner appends what it samples
+            states[rid].append(token)
+    sched.update(out, ModelRunnerOutput(sampled_token_ids=sampled))
     check(sched)
     for r in sched.running:  # ...with at most one partial block of waste
         assert len(kv_blocks(sched, r)) == -(-r.num_computed_tokens // BS)
@@ -99,7 +123,7 @@ def test_random_workload_never_leaks(caching, seed):
     sched = Scheduler(kv, max_num_batched_tokens=rng.choice([8, 16, 48]), max_num_seqs=rng.choice([3, 4, 8]),
                       max_model_len=64)
     shared = [7] * 12
-    next_id = 0
+    next_id, states = 0, RequestStates()
     for step in range(400):
         if rng.random() < 0.3 and step < 300:
             n = rng.randint(1, 40)
@@ -108,11 +132,11 @@ def test_random_workload_never_leaks(caching, seed):
         if rng.random() < 0.05 and sched.requests:
             sched.finish_requests([rng.choice(list(sched.requests))])
             check(sched)
-        run_step(sched, rng)
-    while sched.has_unfinished():
-        run_step(sched, rng)
+        run_step(sched, rng, states)
+    while sched.has_work():  # the last step tells the runner about the last finished requests
+        run_step(sched, rng, states)
     assert kv.pool.num_free_blocks == kv.num_blocks
-    assert not kv.req_blocks and not sched.running and not sched.waiting
+    assert not kv.req_blocks and not sched.running and not sched.waiting and not states
     assert sched.num_preemptions > 0  # the pool is small enough that preemption happened
 
 
@@ -129,9 +153,9 @@ def test_fcfs_and_no_starvation_under_constant_load():
             arrivals[req.request_id] = step
             next_id += 1
         out = run_step(sched, rng)
-        for s in out.scheduled:
-            if s.request.request_id not in admitted:
-                admitted.append(s.request.request_id)
+        for rid in out.num_scheduled_tokens:
+            if rid not in admitted:
+                admitted.append(rid)
         for rid in arrivals:
             if rid not in sched.requests and rid not in finished_at:
                 finished_at[rid] = step
@@ -151,7 +175,7 @@ def test_decodes_are_never_stalled_by_a_long_prefill():
     sched.add_request(make_req(9, 1000, 10, rng))
     for _ in range(20):
         out = run_step(sched, rng)
-        tokens = {s.request.request_id: s.num_tokens for s in out.scheduled}
+        tokens = out.num_scheduled_tokens
         assert all(tokens.get(r.request_id) == 1 for r in short)  # every decode runs every step
         assert tokens.get("9") == 32 - 3  # the long prompt gets the rest of the budget, in chunks
 
@@ -159,18 +183,23 @@ def test_decodes_are_never_stalled_by_a_long_prefill():
 def test_preemption_picks_the_most_recently_admitted_and_recomputes():
     kv = KVCacheManager(num_blocks=10, block_size=BS)
     sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=40)
-    rng = random.Random(3)
+    rng, states = random.Random(3), RequestStates()
     a, b = make_req(0, 12, 20, rng), make_req(1, 12, 20, rng)
     sched.add_request(a)
-    run_step(sched, rng)
+    run_step(sched, rng, states)
     sched.add_request(b)
     preempted = []
     while not preempted:
-        preempted = run_step(sched, rng).preempted
-    assert preempted == [b] and b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+        preempted = run_step(sched, rng, states).preempted_req_ids
+    assert preempted == ["1"] and b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert sched.waiting[0] is b and b.num_preemptions == 1
-    while sched.has_unfinished():
-        run_step(sched, rng)
+    # the runner keeps a preempted request's tokens (and generator) but not its freed blocks
+    assert states["1"].block_ids == [] and states["1"].token_ids == b.all_token_ids and b.num_output_tokens > 0
+    resumed = None
+    while sched.has_work():
+        out = run_step(sched, rng, states)
+        resumed = resumed or next((r for r in out.scheduled_cached_reqs if r.resumed_from_preemption), None)
+    assert resumed is not None and resumed.req_id == "1" and not states
     assert a.num_output_tokens == 20 and b.num_output_tokens == 20
     assert kv.pool.num_free_blocks == kv.num_blocks
 
@@ -187,7 +216,7 @@ def test_prefix_hits_share_blocks_and_leave_one_token_to_compute():
     sched.add_request(second)
     sched.add_request(same)  # exactly the shared prefix: the last block is recomputed
     out = run_step(sched, rng)
-    n = {s.request.request_id: s.num_tokens for s in out.scheduled}
+    n = out.num_scheduled_tokens
     assert second.num_cached_tokens == 20 and n["1"] == 10
     assert same.num_cached_tokens == 16 and n["2"] == 4
     shared = kv.req_blocks["0"][:4]

@@ -46,7 +46,7 @@ def test_prefill_work_is_only_the_uncached_tail(smol_bf16):
 
     def counting_schedule():
         out = real_schedule()
-        batched.append(out.num_batched_tokens)
+        batched.append(out.total_num_scheduled_tokens)
         return out
 
     core.scheduler.schedule = counting_schedule

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.errors import InvalidRequestError
 
-_GREEDY_EPS = 1e-5
+GREEDY_EPS = 1e-5
 
 
 class RequestOutputKind(enum.Enum):
@@ -65,7 +65,7 @@ class SamplingParams:
             except (TypeError, ValueError, AttributeError):
                 raise _bad("logit_bias", "must map token ids to biases") from None
         self._validate()
-        if self.temperature < _GREEDY_EPS:
+        if self.temperature < GREEDY_EPS:
             # Greedy: the other sampling knobs have no effect (as in vLLM).
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self._all_stop_token_ids = set(self.stop_token_ids)
@@ -115,7 +115,7 @@ class SamplingParams:
     # --- engine-side helpers ----------------------------------------------------------------------
     @property
     def greedy(self) -> bool:
-        return self.temperature < _GREEDY_EPS
+        return self.temperature < GREEDY_EPS
 
     def check_vocab(self, vocab_size: int, max_logprobs: int) -> None:
         """Checks that need the model: token ids in range, logprob counts within the server limit."""

@@ -43,7 +43,7 @@ def main(args) -> int:
     if args.warmup:
         run_throughput(llm, requests[: min(len(requests), 4)], use_tqdm=False)
     result = run_throughput(llm, requests)
-    result["config"] = {"model": llm.engine.served_model_name, "dtype": str(llm.engine.core.worker.dtype),
+    result["config"] = {"model": llm.engine.served_model_name, "dtype": str(llm.engine.config.model.torch_dtype),
                         "max_num_seqs": cfg.scheduler.max_num_seqs,
                         "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens}
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "

@@ -6,9 +6,7 @@ import enum
 import hashlib
 from array import array
 
-import torch
-
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.core.messages import CoreSamplingParams, EngineCoreRequest
 
 
 class RequestStatus(enum.IntEnum):
@@ -39,18 +37,17 @@ def hash_block(parent: bytes | None, token_ids, extra: bytes = b"") -> bytes:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: set[int], max_tokens: int, arrival_time: float,
-                 generator: torch.Generator | None = None, cache_salt: bytes = b""):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: CoreSamplingParams,
+                 eos_token_ids, max_tokens: int, arrival_time: float, cache_salt: bytes = b""):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(params.stop_token_ids)
         self.max_tokens = max_tokens
         self.arrival_time = arrival_time
-        self.generator = generator
         self.cache_salt = cache_salt  # extra key of the first block's hash
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -61,6 +58,11 @@ class Request:
         self.first_scheduled_time: float | None = None
         # prompt logprobs need logits of every prompt position, so they skip the prefix cache
         self.skip_prefix_cache = params.prompt_logprobs is not None
+
+    @classmethod
+    def from_engine_core_request(cls, r: EngineCoreRequest) -> Request:
+        return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_ids, r.max_tokens,
+                   r.arrival_time, r.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,45 +12,16 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.messages import EngineCoreOutput, SchedulerStats
 from tokenmill.core.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # new tokens this step (1 for a decode)
-    block_ids: list[int]
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last known token (so a new token is sampled)."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
-    num_batched_tokens: int
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_queries: int  # cumulative, in tokens
-    prefix_hits: int
-    num_preemptions: int  # cumulative
+from tokenmill.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 
 class Scheduler:
@@ -64,6 +35,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.finished_req_ids: list[str] = []  # for the runner, with the next SchedulerOutput
 
     # --- queue management -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -89,15 +61,22 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         del self.requests[req.request_id]
+        self.finished_req_ids.append(req.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def has_work(self) -> bool:
+        """Requests to run, or finished ones the runner has not been told about yet."""
+        return bool(self.requests or self.finished_req_ids)
+
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        scheduled: dict[str, ScheduledRequest] = {}
-        preempted: list[Request] = []
+        num_tokens: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: list[str] = []
 
         # 1. running: decodes before chunks of unfinished prefills, each group in admission order
         for req in sorted(self.running, key=lambda r: r.is_prefilling):
@@ -106,14 +85,16 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate_slots(req, n) is None:
-                victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            while (new_blocks := self.kv.allocate_slots(req, n)) is None:
+                victim = next(r for r in reversed(self.running) if r.request_id not in num_tokens)
                 self._preempt(victim)
-                preempted.append(victim)
+                preempted.append(victim.request_id)
                 if victim is req:
                     break
             if req.status == RequestStatus.RUNNING:
-                scheduled[req.request_id] = ScheduledRequest(req, n, self.kv.block_ids(req))
+                num_tokens[req.request_id] = n
+                cached_reqs.append(CachedRequestData(req.request_id, False, [b.block_id for b in new_blocks],
+                                                     req.num_computed_tokens))
                 budget -= n
 
         # 2. waiting, first come first served; not in a step that had to preempt
@@ -130,13 +111,19 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 req.first_scheduled_time = now
+            if req.status == RequestStatus.PREEMPTED:  # the runner still holds its tokens
+                cached_reqs.append(CachedRequestData(req.request_id, True, self.kv.block_ids(req), num_hit))
+            else:
+                new_reqs.append(NewRequestData(req.request_id, req.prompt_token_ids, req.params,
+                                               sorted(req.eos_token_ids), self.kv.block_ids(req), num_hit))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled[req.request_id] = ScheduledRequest(req, n, self.kv.block_ids(req))
+            num_tokens[req.request_id] = n
             budget -= n
 
-        batch = list(scheduled.values())
-        return SchedulerOutput(batch, self.max_num_batched_tokens - budget, preempted)
+        finished, self.finished_req_ids = self.finished_req_ids, []
+        return SchedulerOutput(new_reqs, cached_reqs, num_tokens, self.max_num_batched_tokens - budget,
+                               preempted, finished)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -147,25 +134,36 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress after the model ran; append sampled tokens; finish requests that hit
-        a stop condition. Returns the requests that got a new token."""
-        updated = []
-        for s in out.scheduled:
-            req = s.request
-            if req.is_finished:  # aborted while the step ran
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Advance progress after the model ran; append each sampled token and check the stop
+        conditions after each (tokens after a stop are dropped); finish requests that stopped.
+        Returns an output for every request that got tokens or prompt logprobs."""
+        outputs = []
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:  # aborted while the step ran
                 continue
-            req.num_computed_tokens += s.num_tokens
-            token = sampled.get(req.request_id)
-            if token is None:
+            req.num_computed_tokens += n
+            sampled = result.sampled_token_ids.get(rid, ())
+            prompt_lp = result.prompt_logprobs.get(rid)
+            if not sampled and prompt_lp is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            req.append_output(token)
-            updated.append(req)
-            status = self._check_stop(req, token)
+            status = None
+            for i, token in enumerate(sampled):
+                req.append_output(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    sampled = sampled[:i + 1]
+                    break
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
-        return updated
+            logprobs = result.logprobs.get(rid)
+            outputs.append(EngineCoreOutput(
+                rid, list(sampled), logprobs[:len(sampled)] if logprobs is not None else None, prompt_lp,
+                req.status.finish_reason, req.stop_reason, max(req.num_cached_tokens, 0),
+                req.first_scheduled_time, req.num_preemptions))
+        return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.params
@@ -176,7 +174,7 @@ class Scheduler:
         if token in req.eos_token_ids and not p.ignore_eos:
             req.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
-        if token in p._all_stop_token_ids:
+        if token in req.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
         return None

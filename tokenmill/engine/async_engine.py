@@ -5,6 +5,9 @@ submits requests and receives outputs, so an HTTP front end stays responsive whi
 (client gone, timeout, cancellation) the request is aborted and its KV blocks freed in the next
 step. A failing step fails only its batch's requests; an error outside a step kills the engine
 (`errored`), fails every request, and later calls raise EngineDeadError.
+
+The HTTP layer uses only this class's public surface: generation, tokenization and detokenization
+(front-end objects that stay in this process), model facts, and the core's statistics.
 """
 
 from __future__ import annotations
@@ -16,8 +19,12 @@ import queue
 import threading
 import uuid
 
+from tokenmill.config import EngineConfig
+from tokenmill.core.messages import SchedulerStats
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.stats import StatLogger
 from tokenmill.errors import EngineDeadError, EngineStepError, InvalidRequestError
+from tokenmill.model.model_config import ModelConfig
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -38,6 +45,59 @@ class AsyncLLMEngine:
     @classmethod
     def from_engine_args(cls, **kwargs) -> AsyncLLMEngine:
         return cls(LLMEngine.from_engine_args(**kwargs))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = False) -> AsyncLLMEngine:
+        """Loads the model: blocking, call it off the event loop."""
+        return cls(LLMEngine(config, progress=progress))
+
+    # --- what the model is ------------------------------------------------------------------------
+    @property
+    def served_model_name(self) -> str:
+        return self.engine.served_model_name
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.engine.model_config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # --- text <-> tokens (front end; thread-safe) -------------------------------------------------
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
+                    **template_kwargs) -> str:
+        return self.engine.processor.render_chat(messages, add_generation_prompt, chat_template, **template_kwargs)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.processor.tokenize(text, add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
+        return self.engine.tokenizer.decode(token_ids)
+
+    def token_piece(self, token_id: int) -> str:
+        """One token's text as logprobs show it (special tokens included; cached)."""
+        return self.engine.output_processor.piece(token_id)
+
+    # --- statistics -------------------------------------------------------------------------------
+    def scheduler_stats(self) -> SchedulerStats:
+        """The core's queue and KV-cache state, read now."""
+        return self.engine.scheduler_stats()
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        """Called with every step's statistics, on the engine thread. Add before start()."""
+        self.engine.stat_loggers.append(stat_logger)
 
     # --- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.messages import SchedulerStats
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, ProcessedRequest
@@ -47,7 +48,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len,
-                                        config.model.max_logprobs, eos, config.model.torch_device, chat_template)
+                                        config.model.max_logprobs, eos, chat_template)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
         self.served_model_name = config.model.served_model_name or self.source.name
@@ -86,10 +87,14 @@ class LLMEngine:
         self.core.abort_requests(self.output_processor.abort(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished() or self.core.has_unfinished()
+        return self.output_processor.has_unfinished() or self.core.has_work()
 
     def num_waiting(self) -> int:
         return len(self.core.scheduler.waiting)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """Live: read now, not at the last step."""
+        return self.core.stats()
 
     # --- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -99,12 +104,10 @@ class LLMEngine:
             e.request_ids = self.output_processor.parents_of(e.request_ids)
             self.output_processor.abort(e.request_ids)
             raise
-        outputs, to_abort, it_stats = self.output_processor.process(core_outs, time.monotonic())
+        outputs, to_abort, it_stats = self.output_processor.process(core_outs.outputs, time.monotonic())
         if to_abort:  # stop strings: the core keeps generating until told
             self.core.abort_requests(to_abort)
         self.last_iteration_stats = it_stats
-        if self.stat_loggers:
-            sched_stats = self.core.stats()
-            for stat_logger in self.stat_loggers:
-                stat_logger.record(sched_stats, it_stats)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(core_outs.scheduler_stats, it_stats)
         return outputs

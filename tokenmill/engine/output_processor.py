@@ -3,28 +3,12 @@ logprobs, n > 1 fan-in, per-request timings, and the step's statistics."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from tokenmill.core.messages import EngineCoreOutput, PromptLogprobs, TokenLogprobs
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.processor import ProcessedRequest
 from tokenmill.engine.stats import FinishedRequestStats, IterationStats
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
-
-
-@dataclass
-class EngineCoreOutput:
-    """What the core reports for one (child) request after a step."""
-
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[tuple] | None = None  # per token: (ids, logprobs, rank), sampled first
-    prompt_logprobs: tuple[int, list] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None
-    num_preemptions: int = 0
 
 
 class _Child:
@@ -63,7 +47,7 @@ class OutputProcessor:
     def add_request(self, p: ProcessedRequest) -> None:
         children = {}
         for i, req in enumerate(p.children):
-            detok = IncrementalDetokenizer(self.fast, p.prompt_token_ids, req.params)
+            detok = IncrementalDetokenizer(self.fast, p.prompt_token_ids, p.params)
             children[req.request_id] = _Child(i, detok, p.params.logprobs is not None)
         state = _RequestState(p, children)
         self.requests[p.request_id] = state
@@ -103,7 +87,7 @@ class OutputProcessor:
             m.num_cached_tokens = max(m.num_cached_tokens, o.num_cached_tokens)
             m.num_preemptions = max(m.num_preemptions, o.num_preemptions)
             if o.prompt_logprobs and state.prompt_logprobs is not None:
-                self._add_prompt_logprobs(state, *o.prompt_logprobs)
+                self._add_prompt_logprobs(state, o.prompt_logprobs)
             stop = None
             if o.new_token_ids:
                 if m.first_token_time is None:
@@ -146,13 +130,14 @@ class OutputProcessor:
         stop = child.detok.update(o.new_token_ids, skip_last=skip_last)
         child.token_ids.extend(o.new_token_ids)
         if child.logprobs is not None and o.new_logprobs:
-            for ids, vals, rank in o.new_logprobs:
-                child.logprobs.append(self._position(ids, vals, rank))
-                child.cumulative_logprob += vals[0]
+            for lp in o.new_logprobs:
+                child.logprobs.append(self._position(lp))
+                child.cumulative_logprob += lp.logprobs[0]
         return stop
 
-    def _position(self, ids: list[int], vals: list[float], rank: int) -> dict[int, Logprob]:
-        pos = {ids[0]: Logprob(vals[0], rank, self.piece(ids[0]))}
+    def _position(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        ids, vals = lp.token_ids, lp.logprobs
+        pos = {ids[0]: Logprob(vals[0], lp.rank, self.piece(ids[0]))}
         for r, (tid, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
             if tid not in pos:
                 pos[tid] = Logprob(v, r, self.piece(tid))
@@ -164,11 +149,11 @@ class OutputProcessor:
             s = self._piece_cache[token_id] = self.fast.decode([token_id], skip_special_tokens=False)
         return s
 
-    def _add_prompt_logprobs(self, state: _RequestState, first: int, entries: list) -> None:
-        for j, (ids, vals, rank) in enumerate(entries):
-            p = first + j
+    def _add_prompt_logprobs(self, state: _RequestState, lps: PromptLogprobs) -> None:
+        for j, lp in enumerate(lps.entries):
+            p = lps.first_position + j
             if p < len(state.prompt_logprobs) and state.prompt_logprobs[p] is None:
-                state.prompt_logprobs[p] = self._position(ids, vals, rank)
+                state.prompt_logprobs[p] = self._position(lp)
 
     def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput | None:
         kind = state.kind

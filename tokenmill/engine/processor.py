@@ -1,4 +1,4 @@
-"""Input processing: tokenize, validate against the model's limits, and build core requests
+"""Input processing: tokenize, validate against the model's limits, and build EngineCoreRequests
 (n > 1 becomes n child requests that share the prompt's KV blocks through the prefix cache)."""
 
 from __future__ import annotations
@@ -6,9 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
-from tokenmill.core.request import Request
+from tokenmill.core.messages import CoreSamplingParams, EngineCoreRequest
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
@@ -19,7 +17,7 @@ class ProcessedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    children: list[Request]
+    children: list[EngineCoreRequest]
     arrival_time: float
 
 
@@ -29,14 +27,13 @@ def child_id(parent_id: str, index: int, n: int) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 eos_token_ids: set[int], device: torch.device, chat_template: str | None = None):
+                 eos_token_ids: set[int], chat_template: str | None = None):
         self.tokenizer = tokenizer
         self.chat_template = chat_template  # overrides the model's
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
-        self.eos_token_ids = eos_token_ids
-        self.device = device
+        self.eos_token_ids = sorted(eos_token_ids)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, **template_kwargs) -> str:
@@ -78,10 +75,9 @@ class InputProcessor:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):
-            p = params.for_child(i) if params.n > 1 else params
-            gen = torch.Generator(device=self.device).manual_seed(p.seed) if p.seed is not None else None
-            children.append(Request(child_id(request_id, i, params.n), ids, p, self.eos_token_ids,
-                                    max_tokens, arrival, gen))
+            p = CoreSamplingParams.from_params(params.for_child(i) if params.n > 1 else params)
+            children.append(EngineCoreRequest(child_id(request_id, i, params.n), ids, p, self.eos_token_ids,
+                                              max_tokens, arrival))
         return ProcessedRequest(request_id, text, ids, params, children, arrival)
 
     def check_length(self, num_prompt: int, max_tokens: int | None) -> int:

@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from tokenmill.core.scheduler import SchedulerStats
+from tokenmill.core.messages import SchedulerStats
 
 logger = logging.getLogger("tokenmill.stats")
 

@@ -7,24 +7,16 @@ the query length, context length and block table. No padding between sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
-from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+from tokenmill.core.messages import PromptLogprobs
+from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.model.attention.backend import AttentionBackend, BatchLayout
+from tokenmill.worker.request_state import RequestState, RequestStates
 from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
 
 _PROMPT_LOGITS_CHUNK = 256  # rows of full-vocab logits materialized at once for prompt logprobs
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, tuple] = field(default_factory=dict)
-    # request id -> (position of the first entry, entries); position p scores prompt token p
-    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -36,6 +28,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self.requests = RequestStates()
         self.kv_cache: torch.Tensor | None = None
         # fault injection for testing the engine's error handling (TOKENMILL_DEBUG_FAIL_ON_TOKEN)
         self.fail_on_token = fail_on_token
@@ -49,45 +42,48 @@ class ModelRunner:
             layer.kv_cache = self.kv_cache[i]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        batch = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)  # decodes first (stable)
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        batch = self.requests.apply(sched, self.device)
+        out = ModelRunnerOutput()
+        if not batch:
+            return out
+        batch.sort(key=lambda row: row[1] != 1)  # decodes first (stable)
         input_ids, positions, layout = self.prepare_inputs(batch)
         if self.fail_on_token is not None and bool((input_ids == self.fail_on_token).any()):
             raise RuntimeError(f"injected fault: token {self.fail_on_token} in the batch")
         meta = self.backend.build_metadata(layout)
         hidden = self.model(input_ids, positions, meta)
 
-        out = RunnerOutput()
         ends = np.cumsum(layout.query_lens)
-        rows = [i for i, s in enumerate(batch) if s.samples]
+        rows = [i for i, (state, n) in enumerate(batch) if state.samples(n)]
         if rows:
             idx = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
             logits = self.model.compute_logits(hidden[idx])
-            reqs = [batch[i].request for i in rows]
-            result = self.sampler(logits, SamplingBatch.build(reqs, self.vocab_size, self.device))
-            for req, tok, lp in zip(reqs, result.token_ids, result.logprobs):
-                out.sampled[req.request_id] = tok
+            states = [batch[i][0] for i in rows]
+            result = self.sampler(logits, SamplingBatch.build(states, self.vocab_size, self.device))
+            for state, tok, lp in zip(states, result.token_ids, result.logprobs):
+                state.append(tok)
+                out.sampled_token_ids[state.req_id] = [tok]
                 if lp is not None:
-                    out.logprobs[req.request_id] = lp
-        for i, s in enumerate(batch):
-            if s.request.params.prompt_logprobs is not None:
-                self._prompt_logprobs(s, hidden, int(ends[i]) - s.num_tokens, out)
+                    out.logprobs[state.req_id] = [lp]
+        for i, (state, n) in enumerate(batch):
+            if state.params.prompt_logprobs is not None:
+                self._prompt_logprobs(state, n, hidden, int(ends[i]) - n, out)
         return out
 
-    def prepare_inputs(self, batch: list[ScheduledRequest]):
+    def prepare_inputs(self, batch: list[tuple[RequestState, int]]):
         bs = self.block_size
         ids, pos, slots, q_lens, seq_lens, tables = [], [], [], [], [], []
-        for s in batch:
-            r = s.request
-            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
-            ids.extend(r.all_token_ids[start:end])
+        for state, n in batch:
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            ids.extend(state.token_ids[start:end])
             p = np.arange(start, end)
-            table = np.asarray(s.block_ids)
+            table = np.asarray(state.block_ids)
             pos.append(p)
             slots.append(table[p // bs] * bs + p % bs)
-            q_lens.append(s.num_tokens)
+            q_lens.append(n)
             seq_lens.append(end)
-            tables.append(s.block_ids)
+            tables.append(state.block_ids)
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.from_numpy(np.concatenate(pos)).to(dev)
@@ -95,17 +91,17 @@ class ModelRunner:
         num_decodes = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))  # the leading ones
         return input_ids, positions, BatchLayout(q_lens, seq_lens, tables, slot_mapping, num_decodes)
 
-    def _prompt_logprobs(self, s: ScheduledRequest, hidden: torch.Tensor, row0: int, out: RunnerOutput):
+    def _prompt_logprobs(self, state: RequestState, n: int, hidden: torch.Tensor, row0: int,
+                         out: ModelRunnerOutput) -> None:
         """Position p's logits score prompt token p + 1."""
-        r = s.request
-        start = r.num_computed_tokens
-        end = min(start + s.num_tokens, r.num_prompt_tokens - 1)
+        start = state.num_computed_tokens
+        end = min(start + n, state.num_prompt_tokens - 1)
         if end <= start:
             return
         entries = []
         for a in range(start, end, _PROMPT_LOGITS_CHUNK):
             b = min(a + _PROMPT_LOGITS_CHUNK, end)
             logits = self.model.compute_logits(hidden[row0 + a - start: row0 + b - start])
-            targets = torch.tensor(r.all_token_ids[a + 1:b + 1], device=self.device)
-            entries.extend(prompt_logprobs(logits, targets, r.params.prompt_logprobs))
-        out.prompt_logprobs[r.request_id] = (start + 1, entries)
+            targets = torch.tensor(state.token_ids[a + 1:b + 1], device=self.device)
+            entries.extend(prompt_logprobs(logits, targets, state.params.prompt_logprobs))
+        out.prompt_logprobs[state.req_id] = PromptLogprobs(start + 1, entries)

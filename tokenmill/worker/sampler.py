@@ -1,23 +1,27 @@
 """Batched sampling with per-request parameters (vLLM/OpenAI semantics).
 
-Order: logit bias -> min_tokens (ban stop tokens) -> penalties -> greedy argmax, or temperature ->
-top-k -> top-p -> min-p -> sample. A random draw is one uniform per row, from the request's own
-generator when it has a seed, so a seeded request's samples do not depend on the batch.
-Logprobs are of the raw model distribution (before any processing), as vLLM reports by default.
+Order: the logits processors (logits_processors.py: logit bias -> min_tokens -> penalties, then
+any added ones) -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> sample. A random
+draw is one uniform per row, from the request's own generator when it has a seed, so a seeded
+request's samples do not depend on the batch. Logprobs are of the raw model distribution (before
+any processing), as vLLM reports by default.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tokenmill.core.request import Request
+from tokenmill.core.messages import TokenLogprobs
+from tokenmill.worker.logits_processors import LogitsProcessor, default_processors
+from tokenmill.worker.request_state import RequestState
 
 
 @dataclass
 class SamplingBatch:
-    requests: list[Request]
+    states: list[RequestState]
     temperature: torch.Tensor  # [B], 1.0 on greedy rows
     greedy: torch.Tensor  # [B] bool
     all_greedy: bool
@@ -27,8 +31,8 @@ class SamplingBatch:
     max_logprobs: int  # -1: no row wants logprobs
 
     @classmethod
-    def build(cls, requests: list[Request], vocab_size: int, device) -> SamplingBatch:
-        ps = [r.params for r in requests]
+    def build(cls, states: list[RequestState], vocab_size: int, device) -> SamplingBatch:
+        ps = [s.params for s in states]
         greedy = [p.greedy for p in ps]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in ps]
         top_p = [p.top_p for p in ps]
@@ -39,7 +43,7 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
-            requests=requests,
+            states=states,
             temperature=t([1.0 if g else p.temperature for g, p in zip(greedy, ps)]),
             greedy=t(greedy, torch.bool),
             all_greedy=all(greedy),
@@ -53,13 +57,13 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    # per row: (token ids [k+1], logprobs [k+1], rank of the sampled token); sampled token first
-    logprobs: list[tuple[list[int], list[float], int] | None]
+    logprobs: list[TokenLogprobs | None]  # per row, when the request asked for logprobs
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator):
+    def __init__(self, generator: torch.Generator, processors: Sequence[LogitsProcessor] | None = None):
         self.generator = generator  # for requests without a seed
+        self.processors = list(default_processors() if processors is None else processors)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
@@ -76,24 +80,9 @@ class Sampler:
         logprobs = self._logprobs(raw_logprobs, sampled, batch) if raw_logprobs is not None else [None] * len(token_ids)
         return SamplerOutput(token_ids, logprobs)
 
-    # --- logits processing ------------------------------------------------------------------------
     def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        for i, req in enumerate(batch.requests):
-            p = req.params
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), device=logits.device)
-                logits[i, ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device)
-            if req.num_output_tokens < p.min_tokens:
-                stops = list(p._all_stop_token_ids | (set() if p.ignore_eos else req.eos_token_ids))
-                if stops:
-                    logits[i, stops] = float("-inf")
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(req.all_token_ids)), device=logits.device)
-                row = logits[i, seen]
-                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-                ids, counts = torch.tensor(req.output_token_ids, device=logits.device).unique(return_counts=True)
-                logits[i, ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
+        for processor in self.processors:
+            processor(logits, batch.states)
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -112,12 +101,12 @@ class Sampler:
         # Inverse-CDF sampling: one uniform draw per row (a full-vocab Exp/Gumbel draw costs ~50 ms
         # per step on CPU). The CDF need not be normalized: u is scaled by its total.
         cdf = probs.cumsum_(dim=-1)
-        u = torch.empty(len(batch.requests), device=probs.device)
-        seeded = [i for i, r in enumerate(batch.requests) if r.generator is not None]
-        if len(seeded) < len(batch.requests):
+        u = torch.empty(len(batch.states), device=probs.device)
+        seeded = [i for i, s in enumerate(batch.states) if s.generator is not None]
+        if len(seeded) < len(batch.states):
             u.uniform_(generator=self.generator)
         for i in seeded:
-            u[i:i + 1].uniform_(generator=batch.requests[i].generator)
+            u[i:i + 1].uniform_(generator=batch.states[i].generator)
         u = (u * cdf[:, -1]).unsqueeze(1)
         return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
@@ -132,14 +121,14 @@ class Sampler:
         top_vals_l = top_vals.tolist() if k > 0 else None
         top_ids_l = top_ids.tolist() if k > 0 else None
         out = []
-        for i, req in enumerate(batch.requests):
-            n = req.params.logprobs
+        for i, s in enumerate(batch.states):
+            n = s.params.logprobs
             if n is None:
                 out.append(None)
                 continue
             ids = [sampled_l[i]] + (top_ids_l[i][:n] if n else [])
             vals = [chosen_l[i]] + (top_vals_l[i][:n] if n else [])
-            out.append((ids, vals, ranks_l[i]))
+            out.append(TokenLogprobs(ids, vals, ranks_l[i]))
         return out
 
 
@@ -170,9 +159,8 @@ def _nucleus_floor(sorted_vals: torch.Tensor, mass: torch.Tensor, top_p: torch.T
     return sorted_vals.gather(1, last)
 
 
-def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
-    """Logprob of each next prompt token and the top-k at each position.
-    Returns per position (token ids, logprobs, rank of the target), target first."""
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Logprob of each next prompt token and the top-k at each position, target first."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen = lp.gather(1, targets.unsqueeze(1))
     ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
@@ -180,5 +168,5 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int):
     if k > 0:
         vals, ids = torch.topk(lp, k, dim=-1)
         vals_l, ids_l = vals.tolist(), ids.tolist()
-    return [([targets_l[j]] + (ids_l[j] if k else []), [chosen_l[j]] + (vals_l[j] if k else []), ranks[j])
-            for j in range(len(targets_l))]
+    return [TokenLogprobs([targets_l[j]] + (ids_l[j] if k else []), [chosen_l[j]] + (vals_l[j] if k else []),
+                          ranks[j]) for j in range(len(targets_l))]

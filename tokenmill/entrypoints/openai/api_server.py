@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenmill import __version__
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.stats import LoggingStatLogger
 from tokenmill.entrypoints.openai.metrics import PrometheusStatLogger
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -68,20 +68,17 @@ class ServerState:
 
         def build():
             try:
-                engine = LLMEngine(self.engine_config, progress=False)
+                engine = AsyncLLMEngine.from_config(self.engine_config)
                 loop.call_soon_threadsafe(done.set_result, engine)
             except BaseException as e:  # noqa: BLE001 - reported on the loop
                 loop.call_soon_threadsafe(done.set_exception, e)
 
         threading.Thread(target=build, name="tokenmill-load", daemon=True).start()
-        engine = await done
-        self.model_name = engine.served_model_name
-        self.metrics = PrometheusStatLogger(self.model_name, engine.core.stats)
-        engine.stat_loggers.append(self.metrics)
-        from tokenmill.engine.stats import LoggingStatLogger
-
-        engine.stat_loggers.append(LoggingStatLogger())
-        aengine = AsyncLLMEngine(engine)
+        aengine: AsyncLLMEngine = await done
+        self.model_name = aengine.served_model_name
+        self.metrics = PrometheusStatLogger(self.model_name, aengine.scheduler_stats)
+        aengine.add_stat_logger(self.metrics)
+        aengine.add_stat_logger(LoggingStatLogger())
         aengine.start()
         self.completions = CompletionServing(aengine, self.model_name, self.config, self)
         self.chat = ChatServing(aengine, self.model_name, self.config, self)
@@ -175,7 +172,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
         engine = state.ready()
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "tokenmill", "root": state.model_name,
-                                            "max_model_len": engine.engine.max_model_len}]}
+                                            "max_model_len": engine.max_model_len}]}
 
     async def respond(result):
         if isinstance(result, Response):  # the client went away first
@@ -198,24 +195,19 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         engine = state.ready()
-        proc = engine.engine.processor
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            text = proc.render_chat([m.model_dump(exclude_none=True) for m in body.messages],
-                                    body.add_generation_prompt)
-            tokens = proc.tokenize(text, add_special_tokens=False)
+            text = engine.render_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                      body.add_generation_prompt)
+            tokens = engine.tokenize(text, add_special_tokens=False)
         else:
-            tokens = proc.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.engine.max_model_len}
+            tokens = engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        engine = state.ready()
-        vocab = engine.engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": engine.engine.processor.tokenizer.decode(body.tokens)}
+        return {"prompt": state.ready().detokenize(body.tokens)}
 
     return app
 

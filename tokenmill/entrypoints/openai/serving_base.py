@@ -45,8 +45,7 @@ class ServingBase:
         self.model_name = model_name
         self.config = config
         self.state = state  # server-wide: draining flag
-        self.processor = engine.engine.processor
-        self.piece = engine.engine.output_processor.piece
+        self.piece = engine.token_piece
 
     def new_id(self) -> str:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"

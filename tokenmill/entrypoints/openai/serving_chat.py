@@ -34,7 +34,7 @@ class ChatServing(ServingBase):
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         messages = [{**m.model_dump(exclude_none=True), "role": "system" if m.role == "developer" else m.role}
                     for m in req.messages]
-        prompt = self.processor.render_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
+        prompt = self.engine.render_chat(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(max_tokens, logprobs=(top or 0) if req.logprobs else None,
                                      prompt_logprobs=None, default_max_tokens=None)

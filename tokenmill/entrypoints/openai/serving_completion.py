@@ -57,7 +57,7 @@ class CompletionServing(ServingBase):
                 "choices": choices, "usage": usage.to_dict()}
 
     def _prompt_text(self, out: RequestOutput) -> str:
-        return out.prompt if out.prompt is not None else self.processor.tokenizer.decode(out.prompt_token_ids)
+        return out.prompt if out.prompt is not None else self.engine.detokenize(out.prompt_token_ids)
 
     def _choice(self, req: CompletionRequest, out: RequestOutput, o: CompletionOutput, echo_only: bool, i: int):
         text = "" if echo_only else o.text

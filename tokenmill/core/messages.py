@@ -1,0 +1,103 @@
+"""What crosses the engine core's boundary: requests in, per-step outputs and statistics out.
+
+Plain msgspec Structs (no torch objects, no live core objects), so the core can run in another
+process: `encoder.encode(x)` / `decoder(EngineCoreOutputs).decode(buf)` round-trip every one.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenmill.sampling_params import GREEDY_EPS, SamplingParams
+
+
+class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The part of SamplingParams the core acts on (the front end keeps stop strings, n, output
+    kind and detokenization options)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N at each sampled position (0: the sampled token only)
+    prompt_logprobs: int | None = None
+
+    @classmethod
+    def from_params(cls, p: SamplingParams) -> CoreSamplingParams:
+        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+                   presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                   repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or None, seed=p.seed,
+                   min_tokens=p.min_tokens, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                   logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    """One sequence to generate (an n > 1 request is n of these, made by the front end)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: CoreSamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int  # effective: the front end has resolved None against max_model_len
+    arrival_time: float  # time.monotonic() of the front end (same machine: the same clock)
+    cache_salt: bytes = b""  # extra key of the first block's hash (isolates tenants' prefix caches)
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs at one position: the chosen (sampled or prompt) token first, then the top-N."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # of the chosen token; 1 = the most likely
+
+
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Prompt logprobs computed in one step: entry j scores prompt token `first_position + j`."""
+
+    first_position: int
+    entries: list[TokenLogprobs]
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True, gc=False):
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token
+    prompt_logprobs: PromptLogprobs | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    first_scheduled_time: float | None = None
+    num_preemptions: int = 0
+
+
+class SchedulerStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_queries: int  # cumulative, in tokens
+    prefix_hits: int
+    num_preemptions: int  # cumulative
+
+
+class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
+    """Everything one core step reports."""
+
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0  # time.monotonic() when the step finished
+    scheduler_stats: SchedulerStats | None = None
