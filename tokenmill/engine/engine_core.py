@@ -38,13 +38,16 @@ class EngineCore:
 
     def abort_requests(self, request_ids) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._drop_finished_if_idle()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def has_work(self) -> bool:
-        """Unfinished requests, or finished ones whose runner state a step must still drop."""
-        return self.scheduler.has_work()
+    def _drop_finished_if_idle(self) -> None:
+        """Finished requests reach the runner with the next step; with nothing left to run there is
+        no next step, so tell it now (an empty batch: no model run)."""
+        if not self.scheduler.has_unfinished() and self.scheduler.has_work():
+            self.worker.runner.execute(self.scheduler.schedule())
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -52,8 +55,7 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            if sched.finished_req_ids:
-                self.worker.runner.execute(sched)  # no model run: the runner drops their state
+            self.worker.runner.execute(sched)  # no model run; drops finished requests' state
             return EngineCoreOutputs(timestamp=time.monotonic(), scheduler_stats=self.stats())
         try:
             result = self.worker.runner.execute(sched)
@@ -62,8 +64,10 @@ class EngineCore:
             ids = list(sched.num_scheduled_tokens)
             self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             self.kv.pool.reset_prefix_cache()
+            self._drop_finished_if_idle()
             logger.exception("engine step failed; aborting %d request(s)", len(ids))
             raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}", ids) from e
         self.num_steps += 1
         outputs = self.scheduler.update(sched, result)
+        self._drop_finished_if_idle()
         return EngineCoreOutputs(outputs, time.monotonic(), self.stats())

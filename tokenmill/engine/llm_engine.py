@@ -87,7 +87,7 @@ class LLMEngine:
         self.core.abort_requests(self.output_processor.abort(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished() or self.core.has_work()
+        return self.output_processor.has_unfinished() or self.core.has_unfinished()
 
     def num_waiting(self) -> int:
         return len(self.core.scheduler.waiting)
