@@ -73,6 +73,7 @@ def test_greedy_identical_alone_and_among_64(reference, name):
     if name == "prefix-cache-on":
         assert core.kv.prefix_hits > 0
     assert core.kv.pool.num_free_blocks == core.kv.num_blocks  # nothing leaked
+    assert not core.worker.runner.requests  # the runner dropped every finished request's state
     del llm
     gc.collect()
 
