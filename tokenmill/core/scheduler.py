@@ -6,6 +6,9 @@ still prefilling (a chunk each), then waiting requests in arrival order (prefix-
 then a chunk of the rest). When the KV pool runs out, the most recently admitted running request
 not yet in this step's batch is preempted: its blocks are freed and it goes back to the front of
 the waiting queue, to be recomputed later (cheaply, through the prefix cache).
+
+The batch goes to the runner as deltas (scheduler_output.py); `update` takes back the k >= 1
+tokens per request a step yields and returns the step's EngineCoreOutputs.
 """
 
 from __future__ import annotations
