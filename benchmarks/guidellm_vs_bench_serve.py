@@ -39,6 +39,18 @@ def wait_up(url: str, proc: subprocess.Popen) -> None:
     raise TimeoutError(url)
 
 
+def server_itl_ms(url: str) -> tuple[float, float]:
+    """The server's own inter-token latency histogram: (sum in ms, count)."""
+    import httpx
+
+    values = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("tokenmill:inter_token_latency_seconds_"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0].rsplit("_", 1)[1]] = float(value)
+    return values["sum"] * 1000, values["count"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=24, help="requests per load point")
@@ -57,7 +69,10 @@ def main() -> None:
                               stdout=open(out / "guidellm-serve.log", "w"), stderr=subprocess.STDOUT)
     try:
         wait_up(url, server)
+        import resource
+
         gjson = out / "guidellm.json"
+        itl0, cpu0 = server_itl_ms(url), resource.getrusage(resource.RUSAGE_CHILDREN)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "GUIDELLM__MAX_WORKER_PROCESSES": "1",
                "GUIDELLM__LOGGING__LOG_FILE": str(out / "guidellm.log")}
         subprocess.run([str(BIN / "guidellm"), "run", "--backend",
@@ -67,6 +82,7 @@ def main() -> None:
                         "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
                         "--constraint", f"kind=max_requests,count={args.requests}",
                         "--output", f"kind=json,path={gjson}", "--disable-progress"], env=env, check=True)
+        itl1, cpu1 = server_itl_ms(url), resource.getrusage(resource.RUSAGE_CHILDREN)
         rows = []
         for k, b in enumerate(json.loads(gjson.read_text())["benchmarks"]):
             strategy = b["config"]["strategy"]
@@ -89,6 +105,7 @@ def main() -> None:
                          g["time_to_first_token_ms"]["median"], run["ttft_ms"]["median"],
                          g["time_to_first_token_ms"]["mean"], run["ttft_ms"]["mean"],
                          g["inter_token_latency_ms"]["mean"], run["itl_ms"]["mean"], run["tpot_ms"]["mean"]))
+        itl2, cpu2 = server_itl_ms(url), resource.getrusage(resource.RUSAGE_CHILDREN)
     finally:
         server.terminate()
         server.wait(60)
@@ -97,6 +114,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name, *values in rows:
         print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in values) + " |")
+    for client, (a, b), (c0, c1) in (("guidellm", (itl0, itl1), (cpu0, cpu1)),
+                                     ("bench serve", (itl1, itl2), (cpu1, cpu2))):
+        cpu = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+        print(f"during {client}'s runs: the server's own ITL mean {(b[0] - a[0]) / (b[1] - a[1]):.1f} ms; "
+              f"the client used {cpu:.1f} s of CPU")
 
 
 if __name__ == "__main__":

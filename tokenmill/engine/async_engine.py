@@ -61,6 +61,10 @@ class AsyncLLMEngine:
         return self.dead_error is not None
 
     @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -93,6 +97,13 @@ class AsyncLLMEngine:
         if abort:
             self.abort(request_id)
 
+    async def kv_block_states(self) -> str:
+        """Each KV block's state as plain data ("0" free, "1" in use, "2" cached and evictable), read
+        by the engine thread between two steps."""
+        future = self._loop.create_future()
+        self._submit(("kv_block_states", future))
+        return await future
+
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
 
@@ -109,6 +120,9 @@ class AsyncLLMEngine:
                 return
             if kind == "abort":
                 self.engine.abort_request(arg)
+                continue
+            if kind == "kv_block_states":
+                self._post(_resolve, arg, self.engine.kv_block_states())
                 continue
             try:
                 self.engine.add_processed(arg)
@@ -152,6 +166,11 @@ class AsyncLLMEngine:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.put_nowait(error)
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 class RequestStream:

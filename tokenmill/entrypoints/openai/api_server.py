@@ -55,6 +55,8 @@ class ServerState:
         self.completions: CompletionServing | None = None
         self.chat: ChatServing | None = None
         self.model_name = engine_config.model.served_model_name
+        self.open_paths = set(_OPEN_PATHS)  # reachable without the API key
+        self.extra_stat_loggers: list = []  # attached to the engine before it starts (e.g. the dashboard's)
 
     def ready(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -81,6 +83,7 @@ class ServerState:
         from tokenmill.engine.stats import LoggingStatLogger
 
         engine.stat_loggers.append(LoggingStatLogger())
+        engine.stat_loggers.extend(self.extra_stat_loggers)
         aengine = AsyncLLMEngine(engine)
         aengine.start()
         self.completions = CompletionServing(aengine, self.model_name, self.config, self)
@@ -121,7 +124,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
     @app.middleware("http")
     async def auth(request: Request, call_next):
         key = config.api_key
-        if key and request.url.path not in _OPEN_PATHS:
+        if key and request.url.path not in state.open_paths:
             header = request.headers.get("authorization", "")
             if header != f"Bearer {key}":
                 return _error_response(AuthenticationError("invalid or missing API key (Authorization: Bearer ...)"))
@@ -217,6 +220,10 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": engine.engine.processor.tokenizer.decode(body.tokens)}
 
+    if not config.disable_dashboard:
+        from tokenmill.entrypoints.openai.dashboard import register_dashboard
+
+        register_dashboard(app, state)
     return app
 
 
