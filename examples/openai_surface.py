@@ -20,9 +20,8 @@ def show(feature: str, result) -> None:
     print(f"{feature:<34} {result}")
 
 
-model = client.models.list().data[0]
-show("models.list", f"{model.id} (owned_by={model.owned_by})")
-model = model.id
+model = client.models.list().data[0].id
+show("models.list / retrieve", f"{model} (owned_by={client.models.retrieve(model).owned_by})")
 
 r = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
 show("completions", f"{r.choices[0].text!r} finish={r.choices[0].finish_reason} usage={r.usage.total_tokens}")

@@ -65,6 +65,16 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def tokenizer(self):
+        """The front end's tokenizer (stays in this process)."""
+        return self.engine.tokenizer
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template requests are rendered with (the --chat-template, else the model's)."""
+        return self.engine.processor.chat_template or getattr(self.engine.tokenizer, "chat_template", None)
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 

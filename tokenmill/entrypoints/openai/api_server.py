@@ -22,6 +22,7 @@ from tokenmill import __version__
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.entrypoints.openai.compat_routes import register_compat_routes
 from tokenmill.entrypoints.openai.metrics import PrometheusStatLogger
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -220,6 +221,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": engine.engine.processor.tokenizer.decode(body.tokens)}
 
+    register_compat_routes(app, state)
     if not config.disable_dashboard:
         from tokenmill.entrypoints.openai.dashboard import register_dashboard
 
