@@ -56,12 +56,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--off-first", action="store_true", help="start the --disable-dashboard server first")
     args = p.parse_args()
     (REPO / "bench-results").mkdir(exist_ok=True)
     # both servers stay up (an idle one uses no CPU) and the arms alternate, so drift hits all of them
     on, off = "http://127.0.0.1:8130", "http://127.0.0.1:8131"
-    servers = [serve(8130, "--kv-cache-memory", "1GiB"), serve(8131, "--kv-cache-memory", "1GiB",
-                                                                 "--disable-dashboard")]
+    starts = [(8130, ("--kv-cache-memory", "1GiB")), (8131, ("--kv-cache-memory", "1GiB", "--disable-dashboard"))]
+    servers = [serve(port, *flags) for port, flags in (starts[::-1] if args.off_first else starts)]
     arms = {"dashboard on, page closed": [], "dashboard on, polled 1/s": [], "--disable-dashboard": []}
     try:
         seed = 1000
