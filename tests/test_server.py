@@ -227,12 +227,16 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
     server.wait_idle()
     body = {"prompt": "Tell me everything about the ocean.", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
-        got = 0
+        events = []
         for line in r.iter_lines():
-            got += line.startswith("data: ")
-            if got >= 3:
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+            if len(events) >= 3:
                 break
-        assert server.metrics()["tokenmill:kv_cache_usage_perc"] > 0
+        # three token events, none final: the request is still running and holds KV blocks
+        assert all(e.get("choices") and e["choices"][0]["finish_reason"] is None for e in events), events
+        m = server.metrics()
+        assert m["tokenmill:num_requests_running"] == 1 and m["tokenmill:kv_cache_usage_perc"] > 0, (m, events)
     m = server.wait_idle(timeout=15)  # 1500 tokens would take far longer: the abort freed them
     assert m["tokenmill:num_requests_running"] == 0
 

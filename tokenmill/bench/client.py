@@ -1,6 +1,13 @@
 """The benchmark's HTTP client: one streamed request at a time per call, its timeline recorded
 (send, first content chunk, every chunk, end, usage, errors). Its own work is timed too, so the
-report can state the client's overhead per request."""
+report can state the client's overhead per request.
+
+Keep-alive: a server may close an idle or much-used connection at any time (llama.cpp's server does
+after a few requests or seconds), and a request written to it just then fails before the server has
+read it. Such a request, sent on a reused connection and ended without one byte of response, is sent
+again on a fresh connection (as browsers do, RFC 9112 9.3.1); a server that answered nothing never
+processed it. A failure on a fresh connection, or after any response byte, counts as failed.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +22,35 @@ from tokenmill.bench.datasets import BenchRequest
 from tokenmill.bench.serve_metrics import RequestRecord
 
 
+class _Attempt:
+    """What one try of a request saw of its connection (filled by the session's trace hooks)."""
+
+    reused = False
+    responded = False
+
+
+def connection_reuse_trace() -> aiohttp.TraceConfig:
+    """Marks an attempt whose request went out on a pooled (reused) keep-alive connection."""
+    async def on_reuse(session, ctx, params) -> None:
+        if isinstance(ctx.trace_request_ctx, _Attempt):
+            ctx.trace_request_ctx.reused = True
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(on_reuse)
+    return trace
+
+
 class StreamingClient:
-    """Sends one streamed request and records its timeline into a RequestRecord."""
+    """Sends one streamed request and records its timeline into a RequestRecord. `session` must carry
+    `connection_reuse_trace()`; `fresh_session` (never reusing a connection) sends the retries."""
+
+    max_retries = 3  # a request that keeps meeting closing connections is a failure after all
 
     def __init__(self, session: aiohttp.ClientSession, root: str, endpoint: str, model: str | None,
-                 api_key: str | None, ignore_eos: bool, temperature: float):
+                 api_key: str | None, ignore_eos: bool, temperature: float,
+                 fresh_session: aiohttp.ClientSession | None = None):
         self.session = session
+        self.fresh_session = fresh_session
         self.chat = endpoint == "chat"
         self.url = root + ("/v1/chat/completions" if self.chat else "/v1/completions")
         self.headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
@@ -43,18 +73,32 @@ class StreamingClient:
         rec.cpu_s += time.thread_time() - cpu
         rec.sent_at = time.perf_counter() - t0
         rec.overhead_s += rec.sent_at + t0 - start
-        try:
-            async with self.session.post(self.url, data=data, headers=self.headers) as resp:
-                rec.status = resp.status
-                if resp.status != 200:
-                    rec.error = _error_message(await resp.text(errors="replace")) or resp.reason or "HTTP error"
-                    return
-                await self._read_stream(resp, rec, t0)
-        except asyncio.CancelledError:
-            rec.cancelled = True
-            raise
-        except (aiohttp.ClientError, TimeoutError) as e:  # connection refused/reset, timeout
-            rec.error = f"{type(e).__name__}: {e}".rstrip(": ")
+        session = self.session
+        while True:
+            attempt = _Attempt()
+            try:
+                async with session.post(self.url, data=data, headers=self.headers, trace_request_ctx=attempt) as resp:
+                    attempt.responded = True
+                    rec.status = resp.status
+                    if resp.status != 200:
+                        rec.error = _error_message(await resp.text(errors="replace")) or resp.reason or "HTTP error"
+                        return
+                    await self._read_stream(resp, rec, t0)
+                return
+            except asyncio.CancelledError:
+                rec.cancelled = True
+                raise
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                if (attempt.reused and not attempt.responded and self.fresh_session is not None
+                        and rec.retries < self.max_retries):
+                    rec.retries += 1  # the server closed the connection before reading the request
+                    session = self.fresh_session
+                    continue
+                rec.error = f"{type(e).__name__}: {e}".rstrip(": ")
+                return
+            except (aiohttp.ClientError, TimeoutError) as e:  # connection refused, bad response, timeout
+                rec.error = f"{type(e).__name__}: {e}".rstrip(": ")
+                return
 
     async def _read_stream(self, resp: aiohttp.ClientResponse, rec: RequestRecord, t0: float) -> None:
         buf, done, now = b"", False, time.perf_counter()

@@ -86,24 +86,50 @@ sun moon star sea lake hill forest garden flower bird fish horse dog cat food br
 
 
 class ServerTokenizer:
-    """Counts tokens with the target server's `POST /tokenize` ({"prompt", "add_special_tokens"} ->
-    {"tokens", "count"}; tokenmill and vLLM have it), so prompt lengths are exact for that server."""
+    """Counts tokens with the target server's `POST /tokenize`, so prompt lengths are exact for that
+    server. Servers speak one of two forms: vLLM's and tokenmill's `{"prompt", "add_special_tokens"}`
+    -> `{"tokens", "count"}`, or llama.cpp's `{"content", "add_special"}` -> `{"tokens"}` (llama-server
+    answers the other form with an empty list). `detect()` finds which one."""
 
-    def __init__(self, root_url: str, api_key: str | None = None, timeout: float = 30.0):
+    FORMS = {"vllm": lambda text, special: {"prompt": text, "add_special_tokens": special},
+             "llama.cpp": lambda text, special: {"content": text, "add_special": special}}
+
+    def __init__(self, root_url: str, api_key: str | None = None, timeout: float = 30.0, form: str = "vllm"):
         self.url = root_url.rstrip("/") + "/tokenize"
         self.headers = {"Content-Type": "application/json"}
         if api_key:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.timeout = timeout
+        self.form = form
+
+    def detect(self, probe: str = "Hello world") -> str:
+        """Try each form on a probe text; the first that yields tokens is kept. ValueError when none
+        does; URLError when the server cannot be reached."""
+        import urllib.error
+
+        tried = []
+        for form in self.FORMS:
+            self.form = form
+            try:
+                if self.encode(probe):
+                    return form
+                tried.append(f"{form} form: no tokens")
+            except urllib.error.HTTPError as e:
+                tried.append(f"{form} form: HTTP {e.code}")
+            except (ValueError, KeyError, TypeError):
+                tried.append(f"{form} form: unexpected answer")
+        raise ValueError("; ".join(tried))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         import urllib.request
 
-        body = json.dumps({"prompt": text, "add_special_tokens": add_special_tokens}).encode()
+        body = json.dumps(self.FORMS[self.form](text, add_special_tokens)).encode()
         req = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
         # direct, like the load itself (aiohttp ignores *_proxy variables by default)
         with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=self.timeout) as resp:
-            return list(json.loads(resp.read())["tokens"])
+            tokens = json.loads(resp.read())["tokens"]
+        # llama.cpp's with_pieces form gives {"id", "piece"} objects; plain ids otherwise
+        return [t["id"] if isinstance(t, dict) else int(t) for t in tokens]
 
 
 def single_token_words(tokenizer) -> list[str]:
@@ -180,10 +206,10 @@ def pick_tokenizer(name: str | None, root_url: str, api_key: str | None = None) 
         return load_local_tokenizer(name), f"local tokenizer {name}"
     remote = ServerTokenizer(root_url, api_key)
     try:
-        remote.encode("Hello world")
-        return remote, "the server's /tokenize"
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
-        reason = getattr(e, "code", None) or getattr(e, "reason", None) or e
+        form = remote.detect()
+        return remote, "the server's /tokenize" + (f" ({form} form)" if form != "vllm" else "")
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
         print(f"note: {root_url}/tokenize is unavailable ({reason}); counting tokens with tokenmill's default "
               "model's tokenizer, which may differ from the server's (give --tokenizer)", file=sys.stderr)
     return load_local_tokenizer(None), "tokenmill's default tokenizer (the server has no /tokenize)"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from tokenmill.bench.client import StreamingClient
+from tokenmill.bench.client import StreamingClient, connection_reuse_trace
 from tokenmill.bench.datasets import BenchRequest, build_workload, pick_tokenizer, synthetic_text
 from tokenmill.bench.serve_metrics import RequestRecord, parse_slo, print_run, print_sweep, summarize
 from tokenmill.errors import ConfigError
@@ -132,10 +132,13 @@ async def run_bench(args, root: str, model: str | None, points: list[LoadPoint],
     limit = max(int(p.value) for p in points) if points[0].mode == "concurrency" else 0
     runs: list[dict] = []
     try:
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit),
-                                         timeout=aiohttp.ClientTimeout(total=args.timeout)) as session:
+        timeout = aiohttp.ClientTimeout(total=args.timeout)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit), timeout=timeout,
+                                         trace_configs=[connection_reuse_trace()]) as session, \
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True),
+                                      timeout=timeout) as fresh_session:
             client = StreamingClient(session, root, args.endpoint, model, args.api_key, args.ignore_eos,
-                                     args.temperature)
+                                     args.temperature, fresh_session)
             if warmup:
                 records, _, _ = await run_load_point(client, list(warmup), LoadPoint("concurrency", 1), stop,
                                                      progress=not args.no_progress)

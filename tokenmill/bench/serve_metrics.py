@@ -32,6 +32,7 @@ class RequestRecord:
     status: int | None = None
     error: str | None = None
     cancelled: bool = False
+    retries: int = 0  # sends again on a fresh connection after the server closed a reused one unread
     overhead_s: float = 0.0  # wall time in the client's own request building, SSE parsing, bookkeeping
     cpu_s: float = 0.0  # CPU time of the same code (unlike wall time, not inflated when the OS preempts us)
 
@@ -68,7 +69,8 @@ class RequestRecord:
             "usage_reported": self.usage_reported, "num_chunks": len(self.chunk_times),
             "ttft_ms": ms(self.ttft) if ok else None, "tpot_ms": ms(self.tpot) if ok else None,
             "e2e_ms": ms(self.e2e) if ok else None, "itl_ms": [ms(v) for v in self.itls] if ok else [],
-            "client_overhead_ms": round(self.overhead_s * 1000, 4), "client_cpu_ms": round(self.cpu_s * 1000, 4),
+            "retries": self.retries, "client_overhead_ms": round(self.overhead_s * 1000, 4),
+            "client_cpu_ms": round(self.cpu_s * 1000, 4),
         }
 
 
@@ -142,6 +144,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
         "client_overhead_ms_per_request": overhead * 1000 / len(sent) if sent else None,
         "client_overhead_us_per_chunk": overhead * 1e6 / chunks if chunks else None,
         "client_cpu_ms_per_request": cpu * 1000 / len(sent) if sent else None,
+        "connection_retries": sum(r.retries for r in sent),
         "errors": errors,
     }
 
@@ -184,6 +187,8 @@ def print_run(console, run: dict) -> None:
         ("event-loop lag (ms, mean / max)",
          f"{_num(run['event_loop_lag_ms']['mean'], 2)} / {_num(run['event_loop_lag_ms']['max'], 2)}"),
     ]
+    if run.get("connection_retries"):
+        rows.append(("resent after the server closed a kept-alive connection", str(run["connection_retries"])))
     if run["cancelled"] or run["not_sent"]:
         rows.insert(1, ("interrupted: cancelled / not sent", f"{run['cancelled']} / {run['not_sent']}"))
     for row in rows:

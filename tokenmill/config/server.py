@@ -21,6 +21,8 @@ class ServerConfig:
         "help": "Seconds after which a request is aborted (none: no limit)."})
     shutdown_grace: float = field(default=30.0, metadata={
         "help": "On SIGTERM/SIGINT, seconds to let in-flight requests finish before exiting."})
+    disable_dashboard: bool = field(default=False, metadata={
+        "help": "Do not serve the live dashboard page (GET /dashboard) and its data endpoint."})
 
     def __post_init__(self):
         if not 0 < self.port < 65536:

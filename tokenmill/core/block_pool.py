@@ -41,6 +41,11 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def block_states(self) -> str:
+        """One character per block, by id: "1" in use, "2" free but cached (reusable until evicted),
+        "0" free and empty. Plain data for dashboards."""
+        return "".join("1" if b.ref_cnt else "2" if b.block_hash is not None else "0" for b in self.blocks)
+
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 

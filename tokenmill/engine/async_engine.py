@@ -121,6 +121,11 @@ class AsyncLLMEngine:
         return self.dead_error is not None
 
     @property
+    def chat_template(self) -> str | None:
+        """The chat template requests are rendered with (the --chat-template, else the model's)."""
+        return self.engine.processor.chat_template or getattr(self.engine.tokenizer, "chat_template", None)
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -153,6 +158,13 @@ class AsyncLLMEngine:
         if abort:
             self.abort(request_id)
 
+    async def kv_block_states(self) -> str:
+        """Each KV block's state as plain data ("0" free, "1" in use, "2" cached and evictable), read
+        by the engine thread between two steps."""
+        future = self._loop.create_future()
+        self._submit(("kv_block_states", future))
+        return await future
+
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
 
@@ -169,6 +181,9 @@ class AsyncLLMEngine:
                 return
             if kind == "abort":
                 self.engine.abort_request(arg)
+                continue
+            if kind == "kv_block_states":
+                self._post(_resolve, arg, self.engine.kv_block_states())
                 continue
             try:
                 self.engine.add_processed(arg)
@@ -212,6 +227,11 @@ class AsyncLLMEngine:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.put_nowait(error)
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
 
 
 class RequestStream:

@@ -52,6 +52,9 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def kv_block_states(self) -> str:
+        return self.kv.pool.block_states()
+
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
         if sched.is_empty:

@@ -22,6 +22,7 @@ from tokenmill import __version__
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.stats import LoggingStatLogger
+from tokenmill.entrypoints.openai.compat_routes import register_compat_routes
 from tokenmill.entrypoints.openai.metrics import PrometheusStatLogger
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -55,6 +56,8 @@ class ServerState:
         self.completions: CompletionServing | None = None
         self.chat: ChatServing | None = None
         self.model_name = engine_config.model.served_model_name
+        self.open_paths = set(_OPEN_PATHS)  # reachable without the API key
+        self.extra_stat_loggers: list = []  # attached to the engine before it starts (e.g. the dashboard's)
 
     def ready(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -77,8 +80,8 @@ class ServerState:
         aengine: AsyncLLMEngine = await done
         self.model_name = aengine.served_model_name
         self.metrics = PrometheusStatLogger(self.model_name, aengine.scheduler_stats)
-        aengine.add_stat_logger(self.metrics)
-        aengine.add_stat_logger(LoggingStatLogger())
+        for stat_logger in (self.metrics, LoggingStatLogger(), *self.extra_stat_loggers):
+            aengine.add_stat_logger(stat_logger)
         aengine.start()
         self.completions = CompletionServing(aengine, self.model_name, self.config, self)
         self.chat = ChatServing(aengine, self.model_name, self.config, self)
@@ -118,7 +121,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
     @app.middleware("http")
     async def auth(request: Request, call_next):
         key = config.api_key
-        if key and request.url.path not in _OPEN_PATHS:
+        if key and request.url.path not in state.open_paths:
             header = request.headers.get("authorization", "")
             if header != f"Bearer {key}":
                 return _error_response(AuthenticationError("invalid or missing API key (Authorization: Bearer ...)"))
@@ -209,6 +212,11 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
     async def detokenize(body: DetokenizeRequest):
         return {"prompt": state.ready().detokenize(body.tokens)}
 
+    register_compat_routes(app, state)
+    if not config.disable_dashboard:
+        from tokenmill.entrypoints.openai.dashboard import register_dashboard
+
+        register_dashboard(app, state)
     return app
 
 
