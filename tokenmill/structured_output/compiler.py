@@ -7,6 +7,7 @@ engine thread's Python.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -51,6 +52,19 @@ def build_grammar(spec: GrammarSpec, param: str = "structured_outputs") -> xgr.G
                 "structural_tag": "structural tag"}[spec.kind]
         raise InvalidRequestError(f"invalid {what}: {_clean(e)}", param=param) from None
     raise InvalidRequestError(f"unknown grammar kind {spec.kind!r}", param=param)
+
+
+def validate(spec: GrammarSpec, param: str = "structured_outputs") -> None:
+    """Raises InvalidRequestError (with `param`) unless the spec builds; remembers specs that did."""
+    try:
+        _validated(spec)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(e.message, param=param) from None
+
+
+@functools.lru_cache(maxsize=512)
+def _validated(spec: GrammarSpec) -> None:
+    build_grammar(spec)
 
 
 class GrammarCompiler:
