@@ -75,8 +75,14 @@ def _with_implied_types(node: Any) -> Any:
         return [_with_implied_types(x) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: (v if k in ("enum", "const", "required", "default", "examples") else _with_implied_types(v))
-           for k, v in node.items()}
+    out = {}
+    for k, v in node.items():
+        if k in _SUBSCHEMA_MAPS and isinstance(v, dict):  # names -> schemas, not a schema
+            out[k] = {name: _with_implied_types(s) for name, s in v.items()}
+        elif k in _SUBSCHEMA_LISTS or k in _SUBSCHEMAS:
+            out[k] = _with_implied_types(v)
+        else:  # values (enum, const, default, examples...) and keywords without subschemas
+            out[k] = v
     if not any(k in node for k in _UNTYPED_OK):
         implied = [t for t, keys in _TYPED_KEYWORDS.items() if any(k in node for k in keys)]
         if implied:

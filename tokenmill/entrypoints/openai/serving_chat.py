@@ -11,8 +11,13 @@ from tokenmill.entrypoints.openai.logprobs import chat_logprobs
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.serving_base import ServingBase, Usage, check_choices
 from tokenmill.entrypoints.openai.tool_parser import ToolCallParser
-from tokenmill.entrypoints.openai.tools import ToolRequest, parse_tools, prepare_messages, template_supports_tools, \
-    tool_grammar
+from tokenmill.entrypoints.openai.tools import (
+    ToolRequest,
+    parse_tools,
+    prepare_messages,
+    template_supports_tools,
+    tool_grammar,
+)
 from tokenmill.errors import InvalidRequestError, TokenmillError
 from tokenmill.outputs import RequestOutput
 
