@@ -29,7 +29,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
-    c = GrammarCompiler(tokenizer, vocab_size=49152, stop_token_ids=[2])
+    c = GrammarCompiler(lambda: tokenizer, vocab_size=49152, stop_token_ids=[2])
     yield c
     c.shutdown()
 

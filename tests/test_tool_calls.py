@@ -33,7 +33,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "day
 def compiler():
     from tokenmill.model.loader import load_tokenizer, resolve_model
 
-    c = GrammarCompiler(load_tokenizer(resolve_model(None)), vocab_size=49152, stop_token_ids=[2])
+    c = GrammarCompiler(lambda: load_tokenizer(resolve_model(None)), vocab_size=49152, stop_token_ids=[2])
     yield c
     c.shutdown()
 

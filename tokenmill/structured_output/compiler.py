@@ -13,6 +13,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
@@ -68,19 +69,30 @@ def _validated(spec: GrammarSpec) -> None:
 
 
 class GrammarCompiler:
-    """One per model: the tokenizer's vocabulary as xgrammar sees it (built once), a compile
-    thread, and an LRU cache of compiled grammars keyed by spec."""
+    """One per model: the tokenizer's vocabulary as xgrammar sees it (built once, on the compile
+    thread at first use, so start-up and the engine thread never pay for it), a compile thread,
+    and an LRU cache of compiled grammars keyed by spec."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 1024,
-                 num_threads: int = 1):
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int, stop_token_ids: list[int],
+                 cache_size: int = 1024, num_threads: int = 1):
+        self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                                 stop_token_ids=sorted(stop_token_ids))
-        self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=num_threads, cache_enabled=False)
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._num_threads = num_threads
+        self._compiler: xgr.GrammarCompiler | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+
+    @property
+    def _xgr(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._load_tokenizer(), vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self._num_threads, cache_enabled=False)
+            return self._compiler
 
     def submit(self, spec: GrammarSpec) -> Future:
         """The compiled grammar of `spec`, as a future (done at once on a cache hit)."""
