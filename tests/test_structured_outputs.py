@@ -48,8 +48,8 @@ def test_json_schema_corpus_full(smol_fp32):
     _check_corpus(smol_fp32, CORPUS, max_tokens=128, seed=1000)
 
 
-@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"[A-Z][a-z]{2,8} (is|was) [a-z]+\.", r"(0|[1-9]\d*)\.\d{2} (USD|EUR)",
-                                     r"[a-z_][a-z0-9_]{0,10}\(\)"])
+@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"[A-Z][a-z]{2,8} (is|was) [a-z]+\.",
+                                     r"(0|[1-9]\d*)\.\d{2} (USD|EUR)", r"[a-z_][a-z0-9_]{0,10}\(\)"])
 def test_regex(smol_fp32, pattern):
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=40,
                             structured_outputs=StructuredOutputsParams(regex=pattern))
