@@ -18,8 +18,10 @@ logger = logging.getLogger(__name__)
 
 
 class GrammarState:
-    def __init__(self, compiled: xgr.CompiledGrammar, output_token_ids: list[int] = ()):
-        self.matcher = xgr.GrammarMatcher(compiled)
+    def __init__(self, compiled: xgr.CompiledGrammar, output_token_ids: list[int] = (),
+                 stop_token_ids: list[int] | None = None):
+        # the request's own EOS ids end the grammar, the same ones the scheduler stops on
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids or []) or None)
         self.num_accepted = 0
         self.failed = False  # a token the grammar refused was appended (cannot happen when masked)
         for t in output_token_ids:
