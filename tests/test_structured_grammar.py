@@ -157,3 +157,28 @@ def test_json_schema_suite_never_loose(compiler):
                 jsonschema.Draft202012Validator(schema).validate(test["data"])
         accepted += 1
     assert accepted >= 80 and refused >= 150, (accepted, refused)
+
+
+def test_runner_state_rollback(compiler, tokenizer):
+    """The runner's per-request state advances its matcher with each appended token and rolls it
+    back with the tokens (the seam speculative decoding uses for rejected drafts)."""
+    from tokenmill.core.messages import CoreSamplingParams
+    from tokenmill.core.scheduler_output import NewRequestData
+    from tokenmill.worker.request_state import RequestState
+
+    spec = StructuredOutputsParams(regex="(yes|no), (yes|no)").spec()
+    new = NewRequestData("r", [1, 2, 3], CoreSamplingParams(grammar=spec), [2], [0], 0)
+    state = RequestState.new(new, torch.device("cpu"), compiler.submit)
+    tokens = tokenizer.encode("yes, no")
+    for t in tokens:
+        state.append(t)
+    assert state.grammar.num_accepted == len(tokens) and state.output_token_ids == tokens
+    state.rollback(len(tokens) - 1)
+    assert state.token_ids == [1, 2, 3, tokens[0]] and state.grammar.num_accepted == 1
+    masks = GrammarBitmasks(vocab_size=49152)
+    a, b = torch.zeros(1, 49152), torch.zeros(1, 49152)
+    masks.apply(a, [state.grammar])
+    masks.apply(b, [GrammarState(compiler.get(spec), tokens[:1], stop_token_ids=[2])])
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError):
+        state.rollback(5)

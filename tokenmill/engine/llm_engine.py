@@ -90,7 +90,7 @@ class LLMEngine:
         return self.output_processor.has_unfinished() or self.core.has_unfinished()
 
     def num_waiting(self) -> int:
-        return len(self.core.scheduler.waiting)
+        return len(self.core.scheduler.waiting) + len(self.core.scheduler.compiling)
 
     def scheduler_stats(self) -> SchedulerStats:
         """Live: read now, not at the last step."""
