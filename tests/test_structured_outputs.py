@@ -6,6 +6,7 @@ request."""
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import jsonschema
@@ -43,6 +44,8 @@ def test_json_schema_corpus_sample(smol_fp32):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("TOKENMILL_SCHEMA_CORPUS") != "full",
+                    reason="the whole corpus (~90 s on 2 cores) runs with TOKENMILL_SCHEMA_CORPUS=full")
 def test_json_schema_corpus_full(smol_fp32):
     assert len(CORPUS) >= 200
     _check_corpus(smol_fp32, CORPUS, max_tokens=128, seed=1000)
@@ -111,8 +114,8 @@ def test_greedy_survives_preemption_and_prefix_caching(smol_fp32):
         "step": {"type": "integer", "minimum": 0}, "ok": {"type": "boolean"}}, "required": ["step", "ok"]}}},
         "required": ["log"]}
     prompts = [f"A long shared system preamble about logging, repeated. Record {i} of the batch as JSON:\n"
-               for i in range(16)]
-    params = SamplingParams(temperature=0, max_tokens=120, structured_outputs={"json": schema})
+               for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=90, structured_outputs={"json": schema})
     roomy = smol_fp32.generate(prompts, params, use_tqdm=False)
     tiny = LLM(dtype="float32", kv_cache_memory=45 * 16 * 46080, max_model_len=512, progress=False)
     try:
