@@ -115,9 +115,9 @@ def test_greedy_survives_preemption_and_prefix_caching(smol_fp32):
         "required": ["log"]}
     prompts = [f"A long shared system preamble about logging, repeated. Record {i} of the batch as JSON:\n"
                for i in range(8)]
-    params = SamplingParams(temperature=0, max_tokens=90, structured_outputs={"json": schema})
+    params = SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": schema})
     roomy = smol_fp32.generate(prompts, params, use_tqdm=False)
-    tiny = LLM(dtype="float32", kv_cache_memory=45 * 16 * 46080, max_model_len=512, progress=False)
+    tiny = LLM(dtype="float32", kv_cache_memory=17 * 16 * 46080, max_model_len=256, progress=False)
     try:
         outs = tiny.generate(prompts, params, use_tqdm=False)
         core = tiny.engine.core

@@ -136,3 +136,8 @@ def test_parser_edge_cases():
     assert content is None and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1'}
     content, calls = ToolCallParser().parse('<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>')
     assert calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+
+
+def test_parser_keeps_the_model_s_argument_text():
+    text = '<tool_call>\n{"name": "f", "arguments": {\n    "a": 1\n}}\n</tool_call>'
+    assert ToolCallParser().parse(text)[1][0]["function"]["arguments"] == '{\n    "a": 1\n}'

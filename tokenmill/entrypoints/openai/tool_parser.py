@@ -136,7 +136,9 @@ class ToolCallParser:
             else:  # started as a call: send what is left as its arguments
                 self._stream_arguments(deltas, final=True)
             return
-        if self._header_end < 0:  # e.g. "arguments" before "name": the call arrives whole
+        if self._header_end < 0:  # the whole call arrived at once: send it as the model wrote it
+            self._stream_arguments(deltas, final=False)
+        if self._header_end < 0:  # e.g. "arguments" before "name"
             self._start_call(obj["name"], deltas)
             self._send_arguments(json.dumps(obj["arguments"], ensure_ascii=False), deltas)
             return
