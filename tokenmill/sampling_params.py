@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 GREEDY_EPS = 1e-5
 
@@ -51,6 +52,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice, grammar
     # set by the engine
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -64,6 +66,8 @@ class SamplingParams:
                 self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError):
                 raise _bad("logit_bias", "must map token ids to biases") from None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         self._validate()
         if self.temperature < GREEDY_EPS:
             # Greedy: the other sampling knobs have no effect (as in vLLM).
@@ -111,6 +115,15 @@ class SamplingParams:
                 raise _bad("logit_bias", f"values must be in [-100, 100], got {bias!r} for token {tok}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise _bad("output_kind", "must be a RequestOutputKind")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                raise _bad("structured_outputs", "must be a StructuredOutputsParams or a dict")
+            # the grammar decides where the output may end
+            if self.ignore_eos:
+                raise _bad("ignore_eos", "cannot be combined with structured outputs")
+            if self.min_tokens:
+                raise _bad("min_tokens", "cannot be combined with structured outputs")
 
     # --- engine-side helpers ----------------------------------------------------------------------
     @property

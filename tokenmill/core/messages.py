@@ -9,6 +9,7 @@ from __future__ import annotations
 import msgspec
 
 from tokenmill.sampling_params import GREEDY_EPS, SamplingParams
+from tokenmill.structured_output.params import GrammarSpec
 
 
 class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -29,6 +30,7 @@ class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N at each sampled position (0: the sampled token only)
     prompt_logprobs: int | None = None
+    grammar: GrammarSpec | None = None  # structured output: the worker's matcher follows it
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> CoreSamplingParams:
@@ -36,7 +38,8 @@ class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                    repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or None, seed=p.seed,
                    min_tokens=p.min_tokens, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                   logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs)
+                   logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
+                   grammar=p.structured_outputs.spec() if p.structured_outputs is not None else None)
 
     @property
     def greedy(self) -> bool:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import enum
 import hashlib
 from array import array
+from concurrent.futures import Future
 
 from tokenmill.core.messages import CoreSamplingParams, EngineCoreRequest
 
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_GRAMMAR = -1  # its structured-output grammar is still compiling
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
@@ -58,6 +60,9 @@ class Request:
         self.first_scheduled_time: float | None = None
         # prompt logprobs need logits of every prompt position, so they skip the prefix cache
         self.skip_prefix_cache = params.prompt_logprobs is not None
+        self.grammar_ready: Future | None = None  # the worker's compile of params.grammar
+        if params.grammar is not None:
+            self.status = RequestStatus.WAITING_FOR_GRAMMAR
 
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest) -> Request:

@@ -13,6 +13,7 @@ tokens per request a step yields and returns the step's EngineCoreOutputs.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -26,6 +27,8 @@ from tokenmill.core.scheduler_output import (
     SchedulerOutput,
 )
 
+logger = logging.getLogger(__name__)
+
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
@@ -36,6 +39,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.compiling: list[Request] = []  # waiting for their grammar; they hold nobody up
+        self.compile_failures: list[EngineCoreOutput] = []  # for the next step's outputs
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.finished_req_ids: list[str] = []  # for the runner, with the next SchedulerOutput
@@ -43,7 +48,10 @@ class Scheduler:
     # --- queue management -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+            self.compiling.append(req)
+        else:
+            self.waiting.append(req)
 
     def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
         """Abort (or stop) requests wherever they are; frees their blocks at once."""
@@ -54,6 +62,8 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_GRAMMAR:
+                self.compiling.remove(req)
             else:
                 self.waiting.remove(req)
             self._finish(req, status)
@@ -73,8 +83,25 @@ class Scheduler:
         """Requests to run, or finished ones the runner has not been told about yet."""
         return bool(self.requests or self.finished_req_ids)
 
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled join the waiting queue; a failed compile ends its
+        request (the front end validated the spec, so this is not expected)."""
+        for req in [r for r in self.compiling if r.grammar_ready is None or r.grammar_ready.done()]:
+            self.compiling.remove(req)
+            error = req.grammar_ready.exception() if req.grammar_ready is not None else None
+            if error is None:
+                req.status = RequestStatus.WAITING
+                self.waiting.append(req)
+                continue
+            logger.error("request %s: grammar failed to compile: %s", req.request_id, error)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self.compile_failures.append(EngineCoreOutput(req.request_id, finish_reason="abort",
+                                                          stop_reason=f"grammar compile failed: {error}"))
+
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.compiling:
+            self._admit_compiled()
         budget = self.max_num_batched_tokens
         num_tokens: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -184,5 +211,5 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         used = self.kv.num_used_blocks()
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage, used, self.kv.num_blocks,
-                              self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions)
+        return SchedulerStats(len(self.running), len(self.waiting) + len(self.compiling), self.kv.usage, used,
+                              self.kv.num_blocks, self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions)

@@ -72,6 +72,11 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template in use: the --chat-template override, else the model's."""
+        return self.engine.processor.chat_template or getattr(self.engine.tokenizer, "chat_template", None)
+
     # --- text <-> tokens (front end; thread-safe) -------------------------------------------------
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
                     **template_kwargs) -> str:

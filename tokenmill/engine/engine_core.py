@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
@@ -22,6 +23,8 @@ from tokenmill.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
+_GRAMMAR_POLL_S = 0.02  # an idle step waits this long for a compiling grammar (no busy loop)
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True):
@@ -34,7 +37,10 @@ class EngineCore:
         self.num_steps = 0
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        req = Request.from_engine_core_request(request)
+        if req.params.grammar is not None:  # compiles off this thread; the request waits, others run
+            req.grammar_ready = self.worker.prepare_grammar(req.params.grammar)
+        self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -57,9 +63,12 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
+        failed, self.scheduler.compile_failures = self.scheduler.compile_failures, []
         if sched.is_empty:
             self.worker.runner.execute(sched)  # no model run; drops finished requests' state
-            return EngineCoreOutputs(timestamp=time.monotonic(), scheduler_stats=self.stats())
+            if self.scheduler.compiling and not failed:  # nothing to run until a grammar is ready
+                wait([r.grammar_ready for r in self.scheduler.compiling], _GRAMMAR_POLL_S, FIRST_COMPLETED)
+            return EngineCoreOutputs(failed, timestamp=time.monotonic(), scheduler_stats=self.stats())
         try:
             result = self.worker.runner.execute(sched)
         except Exception as e:
@@ -73,4 +82,4 @@ class EngineCore:
         self.num_steps += 1
         outputs = self.scheduler.update(sched, result)
         self._drop_finished_if_idle()
-        return EngineCoreOutputs(outputs, time.monotonic(), self.stats())
+        return EngineCoreOutputs(failed + outputs, time.monotonic(), self.stats())

@@ -94,7 +94,7 @@ class LLMEngine:
         return self.core.kv_block_states()
 
     def num_waiting(self) -> int:
-        return len(self.core.scheduler.waiting)
+        return len(self.core.scheduler.waiting) + len(self.core.scheduler.compiling)
 
     def scheduler_stats(self) -> SchedulerStats:
         """Live: read now, not at the last step."""

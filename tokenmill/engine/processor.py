@@ -71,6 +71,10 @@ class InputProcessor:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         params.check_vocab(self.vocab_size, self.max_logprobs)
+        if params.structured_outputs is not None:
+            from tokenmill.structured_output.compiler import validate  # xgrammar: only when asked for
+
+            validate(params.structured_outputs.spec())
         max_tokens = self.check_length(len(ids), params.max_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []

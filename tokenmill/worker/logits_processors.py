@@ -61,5 +61,24 @@ class PresenceFrequencyPenalty(LogitsProcessor):
                 logits[i, ids] -= p.frequency_penalty * counts.float() + p.presence_penalty
 
 
+class GrammarMask(LogitsProcessor):
+    """Structured outputs: each constrained row keeps only the tokens its grammar allows next
+    (EOS only where the grammar can end). Last of the processors, so it holds whatever the
+    penalties did, and before temperature / top-k / top-p, which then act within the grammar."""
+
+    def __init__(self):
+        self._masks = None  # the batch bitmask, allocated on first use
+
+    def __call__(self, logits, states):
+        grammars = [s.grammar for s in states]
+        if all(g is None for g in grammars):
+            return
+        if self._masks is None:
+            from tokenmill.structured_output.matcher import GrammarBitmasks  # xgrammar: only when used
+
+            self._masks = GrammarBitmasks(logits.shape[-1])
+        self._masks.apply(logits, grammars)
+
+
 def default_processors() -> list[LogitsProcessor]:
-    return [LogitBias(), MinTokens(), RepetitionPenalty(), PresenceFrequencyPenalty()]
+    return [LogitBias(), MinTokens(), RepetitionPenalty(), PresenceFrequencyPenalty(), GrammarMask()]

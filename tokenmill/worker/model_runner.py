@@ -13,7 +13,7 @@ import torch
 from tokenmill.core.messages import PromptLogprobs
 from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.model.attention.backend import AttentionBackend, BatchLayout
-from tokenmill.worker.request_state import RequestState, RequestStates
+from tokenmill.worker.request_state import GrammarSource, RequestState, RequestStates
 from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
 
 _PROMPT_LOGITS_CHUNK = 256  # rows of full-vocab logits materialized at once for prompt logprobs
@@ -21,14 +21,15 @@ _PROMPT_LOGITS_CHUNK = 256  # rows of full-vocab logits materialized at once for
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, block_size: int,
-                 vocab_size: int, device: torch.device, seed: int, fail_on_token: int | None = None):
+                 vocab_size: int, device: torch.device, seed: int, fail_on_token: int | None = None,
+                 grammars: GrammarSource | None = None):
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
-        self.requests = RequestStates()
+        self.requests = RequestStates(grammars)
         self.kv_cache: torch.Tensor | None = None
         # fault injection for testing the engine's error handling (TOKENMILL_DEBUG_FAIL_ON_TOKEN)
         self.fail_on_token = fail_on_token

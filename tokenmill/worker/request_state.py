@@ -3,17 +3,28 @@
 The runner never sees the core's Request objects: it learns a request once (NewRequestData), then
 per step its new blocks and computed-token count (CachedRequestData), and it appends the tokens it
 samples itself. A preempted request keeps its state (tokens, generator: a seeded request resumes
-its random stream where it left off) but loses its block table; a finished one is dropped.
+its random stream where it left off; grammar matcher: it stays at the tokens kept) but loses its
+block table; a finished one is dropped. A structured-output request's matcher is built here from
+the plain grammar spec in its sampling params, and advances with every token appended.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.core.messages import CoreSamplingParams
 from tokenmill.core.scheduler_output import NewRequestData, SchedulerOutput
+from tokenmill.structured_output.params import GrammarSpec
+
+if TYPE_CHECKING:
+    from tokenmill.structured_output.matcher import GrammarState
+
+GrammarSource = Callable[[GrammarSpec], Future]  # spec -> its compiled grammar (the worker's cache)
 
 
 @dataclass(slots=True, eq=False)
@@ -27,14 +38,22 @@ class RequestState:
     num_computed_tokens: int
     output_token_ids: list[int]
     min_tokens_banned: list[int]  # stop tokens (and EOS unless ignore_eos), banned before min_tokens
+    grammar: GrammarState | None = None  # structured output: where the output is in its grammar
 
     @classmethod
-    def new(cls, r: NewRequestData, device: torch.device) -> RequestState:
+    def new(cls, r: NewRequestData, device: torch.device, grammars: GrammarSource | None = None) -> RequestState:
         p = r.sampling_params
         gen = torch.Generator(device=device).manual_seed(p.seed) if p.seed is not None else None
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+        grammar = None
+        if p.grammar is not None:
+            from tokenmill.structured_output.matcher import GrammarState  # xgrammar: only when used
+
+            if grammars is None:
+                raise RuntimeError("a structured-output request reached a runner without a grammar compiler")
+            grammar = GrammarState(grammars(p.grammar).result(), stop_token_ids=r.eos_token_ids)
         return cls(r.req_id, list(r.prompt_token_ids), len(r.prompt_token_ids), p, gen, list(r.block_ids),
-                   r.num_computed_tokens, [], sorted(banned))
+                   r.num_computed_tokens, [], sorted(banned), grammar)
 
     def samples(self, num_new: int) -> bool:
         """Whether a step computing `num_new` tokens reaches the last known token (so samples)."""
@@ -43,9 +62,25 @@ class RequestState:
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Takes back the last `num_tokens` sampled tokens (e.g. rejected draft tokens), with the
+        grammar matcher."""
+        if not 0 <= num_tokens <= len(self.output_token_ids):
+            raise ValueError(f"cannot roll back {num_tokens} of {len(self.output_token_ids)} output tokens")
+        if num_tokens:
+            del self.token_ids[-num_tokens:], self.output_token_ids[-num_tokens:]
+            if self.grammar is not None:
+                self.grammar.rollback(num_tokens)
 
 
 class RequestStates(dict[str, RequestState]):
+    def __init__(self, grammars: GrammarSource | None = None):
+        super().__init__()
+        self.grammars = grammars
+
     def apply(self, sched: SchedulerOutput, device: torch.device) -> list[tuple[RequestState, int]]:
         """Bring the states up to date; returns (state, new tokens) of this step's batch, in
         scheduling order."""
@@ -56,7 +91,7 @@ class RequestStates(dict[str, RequestState]):
             if state is not None:
                 state.block_ids = []
         for r in sched.scheduled_new_reqs:
-            self[r.req_id] = RequestState.new(r, device)
+            self[r.req_id] = RequestState.new(r, device, self.grammars)
         for r in sched.scheduled_cached_reqs:
             state = self[r.req_id]
             if r.resumed_from_preemption:

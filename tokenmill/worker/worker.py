@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -13,8 +14,9 @@ from tokenmill.config import EngineConfig, available_memory_bytes
 from tokenmill.errors import ConfigError
 from tokenmill.model.attention import get_attention_backend
 from tokenmill.model.layers.batch_invariance import ROW_TILE, verify_row_invariance
-from tokenmill.model.loader import ModelSource, build_model
+from tokenmill.model.loader import ModelSource, build_model, load_tokenizer
 from tokenmill.model.model_config import ModelConfig
+from tokenmill.structured_output.params import GrammarSpec
 from tokenmill.worker.cpu_env import configure_cpu
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -37,6 +39,7 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True):
         self.config = config
+        self.source = source
         self.model_config = model_config
         self.device = config.model.torch_device
         self.dtype = config.model.torch_dtype
@@ -62,10 +65,25 @@ class Worker:
                     self.device, self.weight_bytes / 2**20, self.backend.name, time.monotonic() - t0)
         fail_on = os.environ.get("TOKENMILL_DEBUG_FAIL_ON_TOKEN")
         self.runner = ModelRunner(self.model, self.backend, config.cache.block_size, model_config.vocab_size,
-                                  self.device, config.model.seed, fail_on_token=int(fail_on) if fail_on else None)
+                                  self.device, config.model.seed, fail_on_token=int(fail_on) if fail_on else None,
+                                  grammars=self.prepare_grammar)
+        self._grammar_compiler = None
         self.num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_blocks, model_config.num_key_value_heads,
                                       model_config.head_dim, self.dtype)
+
+    def prepare_grammar(self, spec: GrammarSpec) -> Future:
+        """Compiles a structured-output grammar for this model's vocabulary on a background thread
+        (cached by spec). The core waits on the future before it schedules the request; the runner
+        then finds the compiled grammar done."""
+        if self._grammar_compiler is None:
+            from tokenmill.structured_output.compiler import GrammarCompiler  # xgrammar: only when used
+
+            cfg = self.config.model
+            self._grammar_compiler = GrammarCompiler(
+                lambda: load_tokenizer(self.source, cfg.tokenizer, cfg.trust_remote_code),
+                self.model_config.vocab_size, self.model_config.eos_token_id)
+        return self._grammar_compiler.submit(spec)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.structured_output import StructuredOutputsParams
+from tokenmill.structured_output.compiler import validate
 
 
 class OpenAIModel(BaseModel):
@@ -17,6 +19,19 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced (no extra properties unless it allows them)
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(OpenAIModel):
@@ -44,9 +59,42 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs (and its older guided_*)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint the request asks for, if any."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise InvalidRequestError("response_format json_schema needs json_schema.schema",
+                                          param="response_format")
+            found.append(("response_format", StructuredOutputsParams(json=rf.json_schema.schema_)))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs)))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                found.append((f"guided_{name}", StructuredOutputsParams(**{name: value})))
+        if len(found) > 1:
+            raise InvalidRequestError(f"{found[0][0]} and {found[1][0]} cannot be combined", param=found[1][0])
+        if not found:
+            return None
+        param, params = found[0]
+        validate(params.spec(), param)
+        return params
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
-                        default_max_tokens: int | None) -> SamplingParams:
+                        default_max_tokens: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
         bias = None
@@ -67,6 +115,7 @@ class SamplingFields(OpenAIModel):
             ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=structured,
         )
 
 
@@ -97,11 +146,8 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-
-
-class ResponseFormat(OpenAIModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool result's call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -109,9 +155,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 

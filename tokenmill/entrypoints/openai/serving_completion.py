@@ -30,7 +30,7 @@ class CompletionServing(ServingBase):
         lp = req.logprobs
         params = req.sampling_params(1 if echo_only else req.max_tokens, logprobs=lp,
                                      prompt_logprobs=lp if req.echo and lp is not None else None,
-                                     default_max_tokens=16)
+                                     default_max_tokens=16, structured=req.structured())
         return prompts, params, echo_only
 
     async def create(self, req: CompletionRequest, t0: float) -> dict | AsyncIterator[str]:
