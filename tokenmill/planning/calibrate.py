@@ -47,6 +47,12 @@ class ShapeSpec:
         return sum(self.decodes) + sum(q + before for q, before, _ in self.chunks)
 
 
+def _prefill(tokens: int, max_context: int, samples: bool = True) -> list[tuple[int, int, bool]]:
+    """`tokens` of prefill from scratch, in as few equal chunks as max_context allows."""
+    n = -(-tokens // max_context)
+    return [(tokens // n, 0, samples)] * n
+
+
 def design_shapes(max_tokens: int, max_seqs: int, max_context: int, max_kv_tokens: int = MAX_KV_TOKENS
                   ) -> list[ShapeSpec]:
     """Shapes covering what the scheduler builds, in an order where a truncated run still covers
@@ -57,9 +63,9 @@ def design_shapes(max_tokens: int, max_seqs: int, max_context: int, max_kv_token
     ctxs = [c for c in (64, 512, 2048) if c <= max_context] or [max_context]
     seqs = [1 << i for i in range(0, 12) if (1 << i) <= max_seqs]
     cats = [
-        [ShapeSpec(chunks=[(q, 0, True)]) for q in pow2],
+        [ShapeSpec(chunks=_prefill(q, max_context)) for q in pow2],
         [ShapeSpec(decodes=[c] * d) for c in ctxs for d in seqs],
-        [ShapeSpec(chunks=[(q, 0, False)]) for q in sorted({16, 256, max_tokens})],
+        [ShapeSpec(chunks=_prefill(q, max_context - 1, False)) for q in sorted({16, 256, max_tokens})],
         [ShapeSpec(chunks=[(16, 0, s)] * k) for k in (4, 16, 64) if 16 * k <= max_tokens and k <= max_seqs
          for s in (True, False)],
         [ShapeSpec(chunks=[(q, before, True)]) for q in (32, 256, 1024) for before in (512, 2048)
@@ -73,16 +79,31 @@ def design_shapes(max_tokens: int, max_seqs: int, max_context: int, max_kv_token
         cat = cats[i % len(cats)]
         if cat:
             spec = cat.pop(0)
-            if spec.kv_tokens <= max_kv_tokens:
+            if spec.kv_tokens <= max_kv_tokens and spec.shape().num_tokens <= max_tokens:
                 out.append(spec)
         i += 1
     return out
 
 
-def held_out_split(n: int, seed: int = 0) -> set[int]:
-    idx = list(range(n))
+def held_out_split(shapes: list[StepShape], seed: int = 0) -> set[int]:
+    """A quarter of the shapes, at random, but never one of the last two measurements between two
+    knots of the GEMM curve (without them the fit cannot know the curve there)."""
+    import bisect
+
+    from tokenmill.planning.cost_model import KNOTS
+
+    segment = [bisect.bisect_right(KNOTS, s.num_tokens) for s in shapes]
+    left = {k: segment.count(k) for k in set(segment)}
+    idx = list(range(len(shapes)))
     random.Random(seed).shuffle(idx)
-    return set(idx[: n // 4])
+    held: set[int] = set()
+    for i in idx:
+        if len(held) >= len(shapes) // 4:
+            break
+        if left[segment[i]] > 2:
+            held.add(i)
+            left[segment[i]] -= 1
+    return held
 
 
 def errors_pct(model: StepCostModel, shapes: list[StepShape], seconds: list[float],
@@ -131,7 +152,10 @@ class StepDriver:
 
     def time(self, spec: ShapeSpec, reps: int) -> float:
         sched = self.build(spec)
+        t = time.perf_counter()
         self.runner.execute(sched)  # warm-up: oneDNN picks and caches kernels per shape
+        if time.perf_counter() - t > 0.5:
+            reps = 1  # long steps vary little, and the budget is better spent on more shapes
         times = []
         for _ in range(reps):
             t = time.perf_counter()
@@ -232,7 +256,7 @@ def calibrate(config, max_seconds: float = 90.0, reps: int = 3, progress=None):
         seconds.append(driver.time(s, reps))
         if progress:
             progress(i + 1, len(specs))
-    held = held_out_split(len(shapes))
+    held = held_out_split(shapes)
     train = [i for i in range(len(shapes)) if i not in held]
     partial = StepCostModel.fit([shapes[i] for i in train], [seconds[i] for i in train])
     held_errs = errors_pct(partial, [shapes[i] for i in held], [seconds[i] for i in held])

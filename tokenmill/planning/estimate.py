@@ -7,13 +7,14 @@ same workload flags, on this machine, with these engine flags.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig, available_memory_bytes
 from tokenmill.errors import ConfigError
 from tokenmill.planning.profile import CostModelChoice
-from tokenmill.planning.simulator import SimSettings, Simulation
-from tokenmill.planning.workload import TraceRequest
+from tokenmill.planning.simulator import SimSettings
+from tokenmill.planning.sweep import Workload, run_point
 from tokenmill.worker.kv_budget import KVCapacity, kv_cache_budget, kv_capacity, resolve_max_model_len
 
 SLO_ATTAINMENT = 0.99  # an SLO "holds" at a load when this share of requests meets every bound
@@ -72,15 +73,12 @@ def sim_settings(config: EngineConfig, plan: MemoryPlan) -> SimSettings:
                        enable_prefix_caching=config.cache.enable_prefix_caching, max_model_len=plan.max_model_len)
 
 
-def attainment(summary: dict, slo: dict[str, float]) -> float:
-    """Share of the requests that met every bound (goodput / throughput)."""
-    done = summary["request_throughput"]
-    return summary["goodput"] / done if slo and done else 0.0
-
-
-def point(cost: CostModelChoice, settings: SimSettings, trace: list[TraceRequest], concurrency: int,
-          slo: dict[str, float], temperature: float, price_per_hour: float | None) -> dict:
-    s = Simulation(cost.model, settings, temperature).run(trace, concurrency=concurrency).summary(slo)
+def point(cost: CostModelChoice, settings: SimSettings, workload: Workload, concurrency: int,
+          slo: dict[str, float], price_per_hour: float | None) -> dict:
+    """The numbers `bench serve --concurrency C` would report, predicted."""
+    n = workload.num_prompts or max(100, 4 * concurrency)
+    w = dataclasses.replace(workload, num_prompts=n)
+    s = run_point(cost.model, settings, w, "concurrency", concurrency, workload.seed, slo)
     out = {"concurrency": concurrency, "output_tok_per_s": s["output_token_throughput"],
            "request_per_s": s["request_throughput"],
            "ttft_ms_p50": s["ttft_ms"]["median"], "ttft_ms_p99": s["ttft_ms"]["p99"],
@@ -88,31 +86,9 @@ def point(cost: CostModelChoice, settings: SimSettings, trace: list[TraceRequest
            "e2e_ms_p50": s["e2e_ms"]["median"], "num_preemptions": s["num_preemptions"]}
     if slo:
         out["goodput"] = s["goodput"]
-        out["slo_attainment"] = attainment(s, slo)
-        out["meets_slo"] = out["slo_attainment"] >= SLO_ATTAINMENT
+        out["slo_attainment"] = s["slo_attainment"]
+        out["meets_slo"] = s["slo_attainment"] >= SLO_ATTAINMENT
     if price_per_hour is not None:
         tok = s["output_token_throughput"]
         out["usd_per_1m_output_tokens"] = price_per_hour / (tok * 3600) * 1e6 if tok else None
     return out
-
-
-def slo_break(evaluate, upper: int) -> tuple[int, int | None]:
-    """(largest concurrency where the SLO holds, smallest where it breaks or None) by doubling, then
-    bisection; `evaluate(c)` returns whether it holds at c. 0 when it fails even alone."""
-    if not evaluate(1):
-        return 0, 1
-    good, c = 1, 2
-    while c <= upper and evaluate(c):
-        good, c = c, c * 2
-    if c > upper:
-        if good == upper or evaluate(upper):
-            return upper, None
-        c = upper
-    bad = c
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if evaluate(mid):
-            good = mid
-        else:
-            bad = mid
-    return good, bad

@@ -10,6 +10,7 @@ ITL, E2E, goodput) are computed by the same code as a real run's.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import deque
 from dataclasses import dataclass
@@ -33,9 +34,8 @@ class SimSettings:
     enable_prefix_caching: bool = True
     max_model_len: int = 8192
 
-    def label(self) -> str:
-        return (f"tokens={self.max_num_batched_tokens} seqs={self.max_num_seqs} block={self.block_size} "
-                f"prefix={'on' if self.enable_prefix_caching else 'off'} kv_blocks={self.num_blocks}")
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -73,8 +73,10 @@ class Simulation:
             return
         self.scheduler.add_request(Request(str(i), r.prompt_token_ids, self.params, set(), max_tokens, self.now))
 
-    def run(self, trace: list[TraceRequest], concurrency: int | None = None) -> SimResult:
-        """Open loop when `concurrency` is None (every request needs an arrival time), else closed."""
+    def run(self, trace: list[TraceRequest], concurrency: int | None = None, stop_at: float | None = None
+            ) -> SimResult:
+        """Open loop when `concurrency` is None (every request needs an arrival time), else closed; a
+        closed loop sends no new request after `stop_at` simulated seconds."""
         records: list[RequestRecord] = [None] * len(trace)  # type: ignore[list-item]
         if concurrency is None:
             arrivals = [(r.arrival, i) for i, r in enumerate(trace)]
@@ -113,7 +115,7 @@ class Simulation:
                 if req.is_finished:
                     rec.end_at = self.now
                     rec.status = 200
-                    if backlog:
+                    if backlog and (stop_at is None or self.now < stop_at):
                         i = backlog.popleft()
                         self._admit(i, trace[i], records)
         done = [r for r in records if r is not None]

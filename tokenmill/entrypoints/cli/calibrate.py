@@ -57,7 +57,7 @@ def run(args) -> int:
     if args.max_seconds <= 0 or args.reps < 1:
         raise ConfigError("--max-seconds must be > 0 and --reps >= 1")
     config = engine_config_from_args(args)
-    console = Console(stderr=args.json)
+    console = Console(stderr=args.json, width=None if sys.stdout.isatty() else 120)
     with console.status("calibrating...") as status:
         profile = calibrate(config, args.max_seconds, args.reps,
                             progress=lambda i, n: status.update(f"calibrating: step shape {i} of {n}"))
@@ -74,13 +74,14 @@ def run(args) -> int:
     console.print(f"model: {profile.model['name']} ({profile.model['dtype']}, quantization "
                   f"{profile.model['quantization']})", markup=False)
     t = Table(title="step cost model: predicted vs measured (runner)")
-    for col in ("decodes", "decode ctx", "prefill tokens", "sampled", "measured ms", "predicted ms", "error",
-                "held out"):
+    for col in ("decodes", "their context", "prefill tokens", "cached before", "sampled", "measured ms",
+                "predicted ms", "error", "held out"):
         t.add_column(col, justify="right")
     for p in c["points"]:
         s = p["shape"]
         err = 100 * (p["predicted_ms"] - p["measured_ms"]) / p["measured_ms"]
-        t.add_row(str(s["num_decodes"]), str(s["decode_context"]), str(s["prefill_tokens"]), str(s["num_sampled"]),
+        t.add_row(str(s["num_decodes"]), str(s["decode_context"]), str(s["prefill_tokens"]),
+                  str(s["prefill_context"]), str(s["num_sampled"]) + (" greedy" if s["greedy"] else ""),
                   f"{p['measured_ms']:.1f}", f"{p['predicted_ms']:.1f}", f"{err:+.1f}%", "yes" if p["held_out"] else "")
     console.print(t)
     h, e = c["held_out_error_pct"], c["engine_step_error_pct"]

@@ -14,6 +14,7 @@ from tokenmill.entrypoints.cli.workload_args import (
     add_workload_args,
     check_workload_args,
     parse_slo_arg,
+    workload_from_args,
 )
 
 _EPILOG = """\
@@ -37,7 +38,8 @@ def register(sub) -> None:
                                    "where an SLO breaks, and the cost per million output tokens.",
                        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("load and workload (as in bench serve)")
-    add_load_args(g, num_prompts_default=None, open_loop=False)
+    add_load_args(g, num_prompts_default=None, open_loop=False, seed_flag="--workload-seed",
+                  num_prompts_help="Requests per load point. [default: max(100, 4 x concurrency)]")
     add_workload_args(g)
     add_slo_arg(g, " The report gives the largest concurrency where 99%% of requests meet it.")
     g = p.add_argument_group("planning")
@@ -58,28 +60,13 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build_trace(args, spec, num: int, seed: int):
-    from tokenmill.planning.workload import jsonl_trace, synthetic_trace
-
-    if args.dataset:
-        from tokenmill.model.loader import load_tokenizer, resolve_model
-
-        tokenizer = load_tokenizer(resolve_model(args.model_pos or args.model), args.tokenizer)
-        return jsonl_trace(args.dataset, tokenizer, args.output_len, num, spec.config.vocab_size)
-    return synthetic_trace(num, args.input_len, args.output_len, args.range_ratio, args.shared_prefix_len,
-                           spec.config.vocab_size, seed)
-
-
-def _num_prompts(args, c: int) -> int:
-    return args.num_prompts or max(100, 4 * c)
-
-
 def run(args) -> int:
     from tokenmill.config import parse_size
     from tokenmill.errors import ConfigError
     from tokenmill.planning import estimate as est
     from tokenmill.planning.model_spec import model_spec
     from tokenmill.planning.profile import choose_cost_model
+    from tokenmill.planning.sweep import slo_break
     from tokenmill.worker.cpu_env import default_num_threads
 
     check_workload_args(args)
@@ -100,29 +87,27 @@ def run(args) -> int:
     kv_max = plan.kv.max_concurrency(plan.context_len)
     levels = args.concurrency or sorted({c for c in (1, 2, 4, 8, 16, 32, 64, 128, 256)
                                         if c <= min(config.scheduler.max_num_seqs, kv_max)} | {1})
-    points = [est.point(cost, settings, build_trace(args, spec, _num_prompts(args, c), args.seed), c, slo,
-                        args.temperature, args.price_per_hour) for c in levels]
+    workload = workload_from_args(args, spec)
+    points = [est.point(cost, settings, workload, c, slo, args.price_per_hour) for c in levels]
     slo_result = None
     if slo:
         upper = min(4096, 2 * max(config.scheduler.max_num_seqs, kv_max))
 
         def holds(c: int) -> bool:
-            return est.point(cost, settings, build_trace(args, spec, _num_prompts(args, c), args.seed), c, slo,
-                             args.temperature, None)["meets_slo"]
+            return est.point(cost, settings, workload, c, slo, None)["meets_slo"]
 
-        good, bad = est.slo_break(holds, upper)
+        good, bad = slo_break(holds, upper)
         slo_result = {"slo_ms": {k: v * 1000 for k, v in slo.items()}, "attainment": est.SLO_ATTAINMENT,
                       "max_concurrency": good, "breaks_at": bad, "searched_up_to": upper}
         if good:
-            best = est.point(cost, settings, build_trace(args, spec, _num_prompts(args, good), args.seed), good,
-                             slo, args.temperature, args.price_per_hour)
+            best = est.point(cost, settings, workload, good, slo, args.price_per_hour)
             slo_result["at_max"] = best
     result = {
         "model": spec.fingerprint(),
         "memory": plan.to_dict(),
         "cost_model": {"source": cost.model.source, "description": cost.description, "warnings": cost.warnings},
         "workload": {k: getattr(args, k) for k in ("input_len", "output_len", "range_ratio", "shared_prefix_len",
-                                                   "dataset", "temperature", "num_prompts", "seed")},
+                                                   "dataset", "temperature", "num_prompts", "workload_seed")},
         "engine": {"max_num_batched_tokens": settings.max_num_batched_tokens, "max_num_seqs": settings.max_num_seqs,
                    "block_size": settings.block_size, "enable_prefix_caching": settings.enable_prefix_caching},
         "price_per_hour": args.price_per_hour,

@@ -20,14 +20,19 @@ def positive_list(kind):
     return parse
 
 
-def add_load_args(g, num_prompts_default: int | None = 100, open_loop: bool = True) -> None:
+def add_load_args(g, num_prompts_default: int | None = 100, open_loop: bool = True, seed_flag: str = "--seed",
+                  num_prompts_help: str | None = None) -> None:
+    """`seed_flag`: commands that also take the engine's flags (whose --seed seeds sampling) name it
+    --workload-seed, as `bench throughput` does."""
     g.add_argument("--num-prompts", type=int, default=num_prompts_default,
-                   help="Requests per load point. [default: %(default)s]" if num_prompts_default else
-                   "Requests per load point. [default: max(100, 4 x concurrency)]")
+                   help=num_prompts_help or "Requests per load point. [default: %(default)s]")
     mode = g.add_mutually_exclusive_group() if open_loop else g
     mode.add_argument("--concurrency", type=positive_list(int), nargs="?", const=[], default=None,
                       metavar="C[,C..]", help="Closed loop with C requests in flight" +
                       (" (the default mode, C=1)." if open_loop else "."))
+    g.add_argument(seed_flag, type=int, default=0, dest="workload_seed",
+                   help="Seed of prompts and arrival times; load point k uses seed+k. The same seed gives the same "
+                        "prompts, which a prefix-caching server remembers between runs. [default: %(default)s]")
     if not open_loop:
         return
     mode.add_argument("--request-rate", type=positive_list(float), nargs="?", const=[], default=None,
@@ -37,9 +42,6 @@ def add_load_args(g, num_prompts_default: int | None = 100, open_loop: bool = Tr
                         ">1 more regular. [default: %(default)s]")
     g.add_argument("--sweep", type=positive_list(float), default=None, metavar="V,V,..",
                    help="Load points: concurrencies, or rates with a bare --request-rate.")
-    g.add_argument("--seed", type=int, default=0,
-                   help="Seed of prompts and arrival times; load point k uses seed+k. The same seed gives the same "
-                        "prompts, which a prefix-caching server remembers between runs. [default: %(default)s]")
 
 
 def add_workload_args(g, dataset_help: str | None = None) -> None:
@@ -86,3 +88,24 @@ def parse_slo_arg(text: str | None) -> dict[str, float]:
         return parse_slo(text)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def workload_from_args(args, spec, duration: float | None = None):
+    """The planner's Workload for these flags: synthetic, or the --dataset JSONL read with the model's
+    tokenizer (text prompts) or its prompt_len fields."""
+    from tokenmill.planning.sweep import Workload
+    from tokenmill.planning.workload import jsonl_trace
+
+    dataset = None
+    if args.dataset:
+        tokenizer = None
+        with open(args.dataset) as f:  # only text prompts need the tokenizer (slow to load)
+            needs_tokenizer = any('"prompt"' in line for line in f)
+        if needs_tokenizer:
+            from tokenmill.model.loader import load_tokenizer, resolve_model
+
+            tokenizer = load_tokenizer(resolve_model(getattr(args, "model_pos", None) or args.model), args.tokenizer)
+        dataset = jsonl_trace(args.dataset, tokenizer, args.output_len, args.num_prompts, spec.config.vocab_size)
+    return Workload(args.input_len, args.output_len, args.range_ratio, args.shared_prefix_len, spec.config.vocab_size,
+                    args.temperature, getattr(args, "burstiness", 1.0), args.workload_seed, args.num_prompts, duration,
+                    dataset)
