@@ -54,8 +54,9 @@ class SimResult:
 
 
 class Simulation:
-    def __init__(self, cost: StepCostModel, settings: SimSettings, temperature: float = 1.0):
+    def __init__(self, cost: StepCostModel, settings: SimSettings, temperature: float = 1.0, admission=None):
         self.cost = cost
+        self.admission = admission  # an SLOAdmission: open-loop arrivals it rejects get a 429
         self.settings = settings
         self.params = SamplingParams(temperature=temperature, ignore_eos=True)
         self.kv = KVCacheManager(settings.num_blocks, settings.block_size, settings.enable_prefix_caching)
@@ -71,6 +72,14 @@ class Simulation:
         if max_tokens < 1:
             rec.error, rec.status = "prompt does not fit max_model_len", 400
             return
+        if self.admission is not None:
+            from tokenmill.planning.admission import snapshot_of
+
+            n = len(r.prompt_token_ids)
+            if not self.admission.predict(snapshot_of(self.scheduler), n, max_tokens, self.now).admit:
+                rec.error, rec.status = "rejected by SLO admission", 429
+                return
+            self.admission.record(self.now, n)
         self.scheduler.add_request(Request(str(i), r.prompt_token_ids, self.params, set(), max_tokens, self.now))
 
     def run(self, trace: list[TraceRequest], concurrency: int | None = None, stop_at: float | None = None

@@ -46,9 +46,10 @@ def min_request_time(cost: StepCostModel, w: Workload) -> float:
 
 
 def run_point(cost: StepCostModel, settings: SimSettings, w: Workload, mode: str, value: float, seed: int,
-              slo: dict[str, float]) -> dict:
+              slo: dict[str, float], admission=None) -> dict:
     """One load point, as `bench serve` would run it: mode "concurrency" (closed loop), "request_rate"
-    (open loop; inf = all at once) or "replay" (the dataset's timestamps)."""
+    (open loop; inf = all at once) or "replay" (the dataset's timestamps). `admission` makes a fresh
+    SLOAdmission for the run (open loop only)."""
     stop_at = None
     if mode == "replay":
         trace, concurrency = w.dataset, None
@@ -66,7 +67,8 @@ def run_point(cost: StepCostModel, settings: SimSettings, w: Workload, mode: str
         else:
             n = w.num_prompts or 100
         trace = w.base(min(n, 2_000_000), seed)
-    result = Simulation(cost, settings, w.temperature).run(trace, concurrency, stop_at)
+    gate = admission() if admission is not None and concurrency is None else None
+    result = Simulation(cost, settings, w.temperature, gate).run(trace, concurrency, stop_at)
     out = result.summary(slo)
     out["load"] = {"mode": mode, "value": "inf" if math.isinf(value) else value}
     out["slo_attainment"] = out["goodput"] / out["request_throughput"] if slo and out["request_throughput"] else None
@@ -78,11 +80,11 @@ def attained(run: dict, target: float) -> bool:
 
 
 def goodput_knee(cost: StepCostModel, settings: SimSettings, w: Workload, mode: str, slo: dict[str, float],
-                 target: float, seed: int = 0, upper: int = 4096, iterations: int = 10) -> dict:
+                 target: float, seed: int = 0, upper: int = 4096, iterations: int = 10, admission=None) -> dict:
     """The highest load (request rate, or concurrency for a closed loop) at which `target` of the
     requests meet the SLO, and the goodput there."""
     def at(v: float) -> dict:
-        return run_point(cost, settings, w, mode, v, seed, slo)
+        return run_point(cost, settings, w, mode, v, seed, slo, admission)
 
     if mode == "concurrency":
         runs: dict[int, dict] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -89,6 +90,8 @@ def register(sub) -> None:
     add_slo_arg(g)
     g.add_argument("--slo-attainment", type=float, default=0.9, metavar="FRACTION",
                    help="Share of requests that must meet the SLO at the knee. [default: %(default)s]")
+    g.add_argument("--admission", action="store_true",
+                   help="Simulate `serve --slo` admission: arrivals predicted to miss the SLO are rejected (429).")
     g.add_argument("--no-knee", action="store_true", help="Skip the knee search (it runs ~12 more simulations).")
     g.add_argument("--profile", default=None, metavar="PATH", help="Calibration profile. [default: this machine's]")
     g.add_argument("--roofline", action="store_true", help="Use the roofline model even if a profile exists.")
@@ -112,6 +115,7 @@ def settings_grid(args) -> list[dict]:
 def run(args) -> int:
     from tokenmill.bench.serve import load_points
     from tokenmill.errors import ConfigError
+    from tokenmill.planning.admission import SLOAdmission
     from tokenmill.planning.estimate import plan_memory, sim_settings
     from tokenmill.planning.model_spec import model_spec
     from tokenmill.planning.profile import choose_cost_model
@@ -124,6 +128,8 @@ def run(args) -> int:
     if not 0 < args.slo_attainment <= 1:
         raise ConfigError("--slo-attainment must be in (0, 1]")
     slo = parse_slo_arg(args.slo)
+    if args.admission and not ({"ttft", "tpot"} & set(slo)):
+        raise ConfigError("--admission needs --slo with a ttft and/or tpot bound")
     grid = settings_grid(args)
     base = engine_config_from_args(args, **grid[0])
     spec = model_spec(base)
@@ -137,12 +143,14 @@ def run(args) -> int:
     for values in grid:
         config = engine_config_from_args(args, **values)
         settings = sim_settings(config, plan_memory(config, spec))
-        runs = [run_point(cost.model, settings, workload, mode, v, args.workload_seed + k, slo)
+        admission = functools.partial(SLOAdmission, cost.model, slo, settings.max_num_batched_tokens,
+                                      settings.max_num_seqs) if args.admission else None
+        runs = [run_point(cost.model, settings, workload, mode, v, args.workload_seed + k, slo, admission)
                 for k, (mode, v) in enumerate(points)]
         knee = None
         if slo and not args.no_knee and not replay:
             knee = goodput_knee(cost.model, settings, workload, points[0][0], slo, args.slo_attainment,
-                                args.workload_seed)
+                                args.workload_seed, admission=admission)
         label = " ".join(f"{k}={_show(v)}" for k, v in values.items() if len({str(g[k]) for g in grid}) > 1)
         results.append({"setting": values, "label": label or "engine flags", "sim_settings": settings.to_dict(),
                         "runs": runs, "knee": knee})
@@ -178,14 +186,15 @@ def _print(out: dict) -> None:
     console = Console(width=None if sys.stdout.isatty() else 170)
     console.print(f"step cost model: {out['cost_model']['description']}", markup=False, highlight=False)
     t = Table(title="simulated", title_justify="left")
-    cols = ["setting", "load", "done", "req/s", "out tok/s", "goodput", "TTFT p50", "TTFT p99", "TPOT p50",
+    cols = ["setting", "load", "done", "rejected", "req/s", "out tok/s", "goodput", "TTFT p50", "TTFT p99", "TPOT p50",
             "TPOT p99", "E2E p99", "preempt", "util"]
     for c in cols:
         t.add_column(c, justify="left" if c in ("setting", "load") else "right")
     for r in out["results"]:
         for run in r["runs"]:
             g = run["goodput"]
-            t.add_row(r["label"], _load_label(run["load"]), str(run["completed"]), f"{run['request_throughput']:.2f}",
+            t.add_row(r["label"], _load_label(run["load"]), str(run["completed"]), str(run["failed"]),
+                      f"{run['request_throughput']:.2f}",
                       f"{run['output_token_throughput']:.1f}", "-" if g is None else f"{g:.2f}",
                       *(f"{run[m][q]:.1f}" if run[m][q] is not None else "-"
                         for m, q in (("ttft_ms", "median"), ("ttft_ms", "p99"), ("tpot_ms", "median"),
