@@ -101,9 +101,9 @@ def run_estimate(a, tmp: Path) -> dict:
         print(f"| {c} | {p['output_tok_per_s']:.1f} | {m['output_token_throughput']:.1f} | "
               f"{pct(p['output_tok_per_s'], m['output_token_throughput'])} | {p['tpot_ms_p50']:.1f} | "
               f"{m['tpot_ms']['median']:.1f} | {pct(p['tpot_ms_p50'], m['tpot_ms']['median'])} | "
-              f"{p['ttft_ms_p50']:.0f} | {m['ttft_ms']['median']:.0f} | {pct(p['ttft_ms_p50'], m['ttft_ms']['median'])} | "
-              f"{p['tpot_ms_p99']:.1f} | {m['tpot_ms']['p99']:.1f} | {p['ttft_ms_p99']:.0f} | {m['ttft_ms']['p99']:.0f} | "
-              f"{m['loadavg_before']:.2f} |")
+              f"{p['ttft_ms_p50']:.0f} | {m['ttft_ms']['median']:.0f} | "
+              f"{pct(p['ttft_ms_p50'], m['ttft_ms']['median'])} | {p['tpot_ms_p99']:.1f} | {m['tpot_ms']['p99']:.1f} | "
+              f"{p['ttft_ms_p99']:.0f} | {m['ttft_ms']['p99']:.0f} | {m['loadavg_before']:.2f} |")
     return {"predicted": predicted, "measured": measured, "profile": profile}
 
 

@@ -36,7 +36,7 @@ def register(sub) -> None:
     g.add_argument("--output", default=None, metavar="PATH",
                    help="Where to write the profile. [default: ~/.cache/tokenmill/profiles/, found there by "
                         "estimate, simulate and serve]")
-    g.add_argument("--max-seconds", type=float, default=90.0,
+    g.add_argument("--max-seconds", type=float, default=80.0,
                    help="Time budget for the designed steps (shapes left over are skipped). [default: %(default)s]")
     g.add_argument("--reps", type=int, default=3, help="Timed runs per shape (the median counts). [default: 3]")
     g.add_argument("--json", action="store_true", help="Print the profile as JSON instead of a summary.")
