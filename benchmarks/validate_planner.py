@@ -132,8 +132,8 @@ def run_knee(a, tmp: Path) -> dict:
         proc.terminate()
         proc.wait(60)
     sim = json.loads(sh("simulate", *a.engine, "--profile", profile, "--request-rate", a.rates, "--num-prompts",
-                        str(a.num_prompts), *workload_flags(a), "--slo", a.slo, "--slo-attainment",
-                        str(a.attainment), "--json"))["results"][0]
+                        str(a.num_prompts), "--workload-seed", "1", *workload_flags(a), "--slo", a.slo,
+                        "--slo-attainment", str(a.attainment), "--json"))["results"][0]
     att_m = [r["goodput"] / r["request_throughput"] if r["request_throughput"] else 0.0 for r in measured]
     att_s = [r["slo_attainment"] or 0.0 for r in sim["runs"]]
     knee_m, knee_s = knee_of(rates, att_m, a.attainment), knee_of(rates, att_s, a.attainment)
