@@ -173,7 +173,7 @@ def test_simulator_makes_the_engines_scheduling_decisions(tiny_llama_dir):
 
     def capture():
         out = schedule()
-        real.append(shape_of(out))
+        real.append(shape_of(out, engine.core.scheduler.requests))
         return out
 
     engine.core.scheduler.schedule = capture

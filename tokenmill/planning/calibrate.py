@@ -127,37 +127,38 @@ class StepDriver:
         self.vocab = engine.model_config.vocab_size
         self.rng = random.Random(0)
 
-    def _request(self, rid: str, num_tokens: int, computed: int, greedy: bool, first_block: int):
-        from tokenmill.core.request import Request
-        from tokenmill.sampling_params import SamplingParams
-
-        params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=1 << 20, ignore_eos=True)
-        req = Request(rid, [self.rng.randrange(self.vocab) for _ in range(num_tokens)], params, set(), 1 << 20, 0.0)
-        req.num_computed_tokens = computed
-        n_blocks = -(-num_tokens // self.block_size)
-        return req, list(range(first_block, first_block + n_blocks))
-
     def build(self, spec: ShapeSpec):
-        from tokenmill.core.scheduler import ScheduledRequest, SchedulerOutput
+        """The step as the scheduler would send it: every sequence new to the runner, its cached
+        context already "computed" (the blocks hold zeros), distinct blocks per sequence."""
+        from tokenmill.core.messages import CoreSamplingParams
+        from tokenmill.core.scheduler_output import NewRequestData, SchedulerOutput
 
-        scheduled, block = [], 0
+        params = CoreSamplingParams(temperature=0.0 if spec.greedy else 1.0, ignore_eos=True)
         items = [(c, c - 1, 1) for c in spec.decodes]
         items += [(before + q + (0 if samples else 1), before, q) for q, before, samples in spec.chunks]
+        new, num_tokens, block = [], {}, 0
         for i, (total, computed, n) in enumerate(items):
-            req, blocks = self._request(f"cal-{i}", total, computed, spec.greedy, block)
-            block += len(blocks)
-            scheduled.append(ScheduledRequest(req, n, blocks))
+            n_blocks = -(-total // self.block_size)
+            prompt = [self.rng.randrange(self.vocab) for _ in range(total)]
+            new.append(NewRequestData(f"cal-{i}", prompt, params, [], list(range(block, block + n_blocks)), computed))
+            num_tokens[f"cal-{i}"] = n
+            block += n_blocks
         assert block <= self.num_blocks, "calibration shape does not fit the KV cache"
-        return SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled))
+        return SchedulerOutput(new, [], num_tokens, sum(num_tokens.values()))
 
     def time(self, spec: ShapeSpec, reps: int) -> float:
         """Median of `reps` runs after a warm-up (oneDNN picks and caches kernels per shape); a long
         step (> 0.5 s, where a warm-up is noise) is the faster of two runs."""
+        from tokenmill.core.scheduler_output import SchedulerOutput
+
         sched = self.build(spec)
-        first = self._run(sched)
-        if first > 0.5:
-            return min(first, self._run(sched))
-        return statistics.median(self._run(sched) for _ in range(reps))
+        try:
+            first = self._run(sched)
+            if first > 0.5:
+                return min(first, self._run(sched))
+            return statistics.median(self._run(sched) for _ in range(reps))
+        finally:  # the runner forgets the step's sequences
+            self.runner.execute(SchedulerOutput([], [], {}, 0, [], list(sched.num_scheduled_tokens)))
 
     def _run(self, sched) -> float:
         t = time.perf_counter()
@@ -182,7 +183,7 @@ def engine_overhead_run(engine, model: StepCostModel, num_requests: int = 16, ou
 
     def timed_schedule():
         out = schedule()
-        captured["shape"] = shape_of(out)
+        captured["shape"] = shape_of(out, scheduler.requests)
         return out
 
     def timed_execute(sched):
@@ -200,7 +201,7 @@ def engine_overhead_run(engine, model: StepCostModel, num_requests: int = 16, ou
             t = time.perf_counter()
             engine.step()
             total = time.perf_counter() - t
-            if "runner" in captured:
+            if "runner" in captured and captured["shape"].num_seqs:
                 rows.append((captured["shape"], captured["runner"], total))
     finally:
         del scheduler.schedule, runner.execute

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 from tokenmill.bench.serve_metrics import RequestRecord, summarize
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.messages import CoreSamplingParams
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.planning.cost_model import StepCostModel
 from tokenmill.planning.step_shape import shape_of
 from tokenmill.planning.workload import TraceRequest
-from tokenmill.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class Simulation:
         self.cost = cost
         self.admission = admission  # an SLOAdmission: open-loop arrivals it rejects get a 429
         self.settings = settings
-        self.params = SamplingParams(temperature=temperature, ignore_eos=True)
+        self.params = CoreSamplingParams(temperature=temperature, ignore_eos=True)
         self.kv = KVCacheManager(settings.num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_batched_tokens, settings.max_num_seqs,
                                    settings.max_model_len)
@@ -110,18 +111,19 @@ class Simulation:
             out = sched.schedule()
             if out.is_empty:  # cannot happen with requests that fit; guard against a livelock
                 raise RuntimeError("the scheduler scheduled nothing with requests waiting")
-            dt = self.cost.step_time(shape_of(out))
+            dt = self.cost.step_time(shape_of(out, sched.requests))
             self.now += dt
             busy += dt
             steps += 1
-            sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
-            for req in sched.update(out, sampled):
-                rec = records[int(req.request_id)]
+            sampled = {rid: [token] for rid, n in out.num_scheduled_tokens.items()
+                       if (r := sched.requests[rid]).num_computed_tokens + n == r.num_tokens}
+            for o in sched.update(out, ModelRunnerOutput(sampled_token_ids=sampled)):
+                rec = records[int(o.request_id)]
                 if rec.first_token_at is None:
                     rec.first_token_at = self.now
                 rec.chunk_times.append(self.now)
-                rec.output_tokens += 1
-                if req.is_finished:
+                rec.output_tokens += len(o.new_token_ids)
+                if o.finish_reason is not None:
                     rec.end_at = self.now
                     rec.status = 200
                     if backlog and (stop_at is None or self.now < stop_at):

@@ -49,13 +49,16 @@ class StepShape:
         return cls(**d)
 
 
-def shape_of(sched) -> StepShape:
-    """The shape of a step the real scheduler built (call before `Scheduler.update`)."""
+def shape_of(sched, requests) -> StepShape:
+    """The shape of a step the real scheduler built: `sched` its SchedulerOutput, `requests` the
+    scheduler's requests by id (read before `Scheduler.update` moves them on)."""
     q, ctx, sampled, greedy = [], [], [], True
-    for s in sched.scheduled:
-        q.append(s.num_tokens)
-        ctx.append(s.request.num_computed_tokens + s.num_tokens)
-        sampled.append(s.samples)
-        if s.samples and not s.request.params.greedy:
+    for rid, n in sched.num_scheduled_tokens.items():
+        req = requests[rid]
+        samples = req.num_computed_tokens + n == req.num_tokens
+        q.append(n)
+        ctx.append(req.num_computed_tokens + n)
+        sampled.append(samples)
+        if samples and not req.params.greedy:
             greedy = False
     return StepShape.build(q, ctx, sampled, greedy and any(sampled))
