@@ -116,7 +116,8 @@ def test_chat_template_override(tmp_path, tiny_llama_dir):
         LLM(str(tiny_llama_dir), chat_template="/no/such/file.jinja", kv_cache_memory="32MiB", progress=False)
 
 
-@pytest.mark.parametrize("command", [["serve"], ["generate"], ["chat"], ["bench", "throughput"], ["bench", "serve"]])
+@pytest.mark.parametrize("command", [["serve"], ["generate"], ["chat"], ["bench", "throughput"], ["bench", "serve"],
+                                     ["calibrate"], ["estimate"], ["simulate"]])
 def test_every_command_has_help(command):
     r = _cli(*command, "--help")
     assert r.returncode == 0 and "usage: tokenmill" in r.stdout, r.stderr

@@ -148,7 +148,7 @@ async def run_bench(args, root: str, model: str | None, points: list[LoadPoint],
                 if stop.is_set():
                     break
                 records, duration, lags = await run_load_point(client, requests, point, stop, args.burstiness,
-                                                               args.seed + k, not args.no_progress)
+                                                               args.workload_seed + k, not args.no_progress)
                 run = {"load": point.to_dict(), **summarize(records, duration, slo),
                        "event_loop_lag_ms": {"mean": 1000 * sum(lags) / len(lags) if lags else 0.0,
                                              "max": 1000 * max(lags, default=0.0)},
@@ -247,10 +247,10 @@ def main(args) -> int:
     tokenizer, tokenizer_name = pick_tokenizer(args.tokenizer, root, args.api_key)
     console = Console(width=None if sys.stdout.isatty() else 150)  # rich assumes 80 columns when piped
     # fresh prompts per load point, so a prefix cache cannot serve one point from the previous one
-    workloads = [build_workload(tokenizer, args, args.seed + k) for k in range(len(points))]
+    workloads = [build_workload(tokenizer, args, args.workload_seed + k) for k in range(len(points))]
     # warmup prompts are their own too (and short): they must not pre-fill the cache with measured prompts
     warmup = synthetic_text(tokenizer, args.warmup, args.input_len, min(args.output_len, 16),
-                            seed=args.seed + 10_000) if args.warmup else []
+                            seed=args.workload_seed + 10_000) if args.warmup else []
     console.print(f"{root} model={model} endpoint={args.endpoint}: {len(workloads[0])} prompts per load point x "
                   f"{len(points)} point(s); tokens counted with {tokenizer_name}", markup=False)
     runner = asyncio.run
@@ -264,7 +264,8 @@ def main(args) -> int:
     result = {"config": {"base_url": root, "model": model, "endpoint": args.endpoint, "tokenizer": tokenizer_name,
                          **{k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "range_ratio",
                                                           "shared_prefix_len", "dataset", "ignore_eos", "temperature",
-                                                          "burstiness", "seed", "timeout")},
+                                                          "burstiness", "timeout")},
+                         "seed": args.workload_seed,
                          "slo_ms": {k: v * 1000 for k, v in slo.items()} or None,
                          "load_points": [p.to_dict() for p in points]},
               "interrupted": interrupted, "runs": runs}

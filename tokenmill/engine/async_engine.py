@@ -126,11 +126,6 @@ class AsyncLLMEngine:
         return self.dead_error is not None
 
     @property
-    def chat_template(self) -> str | None:
-        """The chat template requests are rendered with (the --chat-template, else the model's)."""
-        return self.engine.processor.chat_template or getattr(self.engine.tokenizer, "chat_template", None)
-
-    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 

@@ -18,23 +18,10 @@ from tokenmill.model.loader import ModelSource, build_model, load_tokenizer
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.structured_output.params import GrammarSpec
 from tokenmill.worker.cpu_env import configure_cpu
+from tokenmill.worker.kv_budget import kv_cache_budget, kv_capacity, resolve_max_model_len
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-_DEFAULT_KV_BYTES = 4 * 2**30
-_MAX_DEFAULT_MODEL_LEN = 8192
-
-
-def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    requested = config.model.max_model_len
-    if requested is None:
-        return min(model_config.max_position_embeddings, _MAX_DEFAULT_MODEL_LEN)
-    if requested > model_config.max_position_embeddings and not model_config.rope_scaling:
-        logger.warning("max_model_len %d exceeds the model's context %d", requested,
-                       model_config.max_position_embeddings)
-    return requested
-
 
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True):
@@ -90,30 +77,16 @@ class Worker:
         return self.model_config.kv_bytes_per_token * self.dtype.itemsize
 
     def _kv_budget(self) -> int:
-        c = self.config.cache
-        if c.kv_cache_memory is not None:
-            return c.kv_cache_memory
+        total = free = None
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            util = c.memory_utilization or 0.9
-            return int(total * util) - (total - free)
-        available = available_memory_bytes()
-        if c.memory_utilization is not None:
-            # the fraction covers weights + KV; the weights are already resident
-            return int((available + self.weight_bytes) * c.memory_utilization) - self.weight_bytes
-        return min(_DEFAULT_KV_BYTES, available // 2)
+        return kv_cache_budget(self.config.cache, self.weight_bytes, available_memory_bytes(), total, free)
 
     def _num_kv_blocks(self) -> int:
-        bs = self.config.cache.block_size
-        budget = self._kv_budget()
-        num_blocks = max(budget, 0) // (bs * self.kv_bytes_per_token)
-        capacity = num_blocks * bs
-        if capacity < self.max_model_len:
-            raise ConfigError(
-                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {capacity} tokens, fewer than "
-                f"max_model_len={self.max_model_len} ({self.kv_bytes_per_token} bytes per token): raise "
-                f"--kv-cache-memory / --memory-utilization or lower --max-model-len")
+        kv = kv_capacity(self._kv_budget(), self.kv_bytes_per_token, self.config.cache.block_size,
+                         self.max_model_len)
         logger.info("KV cache: %.1f MiB budget, %d bytes/token, %d blocks of %d tokens (%d tokens); "
-                    "max concurrency at max_model_len=%d: %.1fx", budget / 2**20, self.kv_bytes_per_token,
-                    num_blocks, bs, capacity, self.max_model_len, capacity / self.max_model_len)
-        return num_blocks
+                    "max concurrency at max_model_len=%d: %.1fx", kv.budget / 2**20, kv.bytes_per_token,
+                    kv.num_blocks, kv.block_size, kv.num_tokens, self.max_model_len,
+                    kv.num_tokens / self.max_model_len)
+        return kv.num_blocks

@@ -71,15 +71,17 @@ def dataclass_from_args(cls, args: argparse.Namespace, **overrides):
     return cls(**values)
 
 
-def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, positional_model: bool = False, skip: tuple[str, ...] = ()
+                    ) -> None:
     for name, tp in EngineConfig.group_types().items():
-        add_dataclass_args(parser, tp, title=f"engine: {name}")
+        add_dataclass_args(parser, tp, skip=skip, title=f"engine: {name}")
     if positional_model:
         parser.add_argument("model_pos", nargs="?", metavar="MODEL", default=None,
                             help="Model (same as --model).")
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     values = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
     values["model"] = getattr(args, "model_pos", None) or args.model
+    values.update(overrides)
     return EngineConfig.from_kwargs(**values)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import math
 
 from tokenmill.entrypoints.cli.args import add_engine_args
+from tokenmill.entrypoints.cli.workload_args import add_load_args, add_slo_arg, add_workload_args
 
 _SERVE_EPILOG = """\
 load shape:
@@ -58,19 +58,6 @@ def register(sub) -> None:
     s.set_defaults(func=_serve)
 
 
-def _positive_list(kind):
-    """'1,4,16' -> [1, 4, 16]; 'inf' allowed for rates."""
-    def parse(text: str) -> list:
-        try:
-            values = [kind(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number or a comma list of numbers, got {text!r}") from None
-        if not values or any(v <= 0 or (isinstance(v, float) and math.isnan(v)) for v in values):
-            raise argparse.ArgumentTypeError(f"values must be > 0, got {text!r}")
-        return values
-    return parse
-
-
 def _add_serve_args(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("target")
     g.add_argument("--base-url", default="http://127.0.0.1:8000",
@@ -84,47 +71,21 @@ def _add_serve_args(s: argparse.ArgumentParser) -> None:
                    help="Seconds before a request counts as failed. [default: %(default)s]")
 
     g = s.add_argument_group("load shape (see below)")
-    g.add_argument("--num-prompts", type=int, default=100, help="Requests per load point. [default: %(default)s]")
-    mode = g.add_mutually_exclusive_group()
-    mode.add_argument("--concurrency", type=_positive_list(int), nargs="?", const=[], default=None, metavar="C[,C..]",
-                      help="Closed loop with C requests in flight (the default mode, C=1).")
-    mode.add_argument("--request-rate", type=_positive_list(float), nargs="?", const=[], default=None,
-                      metavar="R[,R..]", help="Open loop: R requests/s on average ('inf': all at once).")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="Gamma shape of inter-arrival times for --request-rate: 1 = Poisson, <1 burstier, "
-                        ">1 more regular. [default: %(default)s]")
-    g.add_argument("--sweep", type=_positive_list(float), default=None, metavar="V,V,..",
-                   help="Load points: concurrencies, or rates with a bare --request-rate.")
+    add_load_args(g)
     g.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="Unrecorded requests sent one at a time before measuring (a server's first requests "
                         "may pay one-time costs, e.g. kernel compilation); on top of --num-prompts. [default: 0]")
-    g.add_argument("--seed", type=int, default=0,
-                   help="Seed of prompts and arrival times; load point k uses seed+k. The same seed gives the same "
-                        "prompts, which a prefix-caching server remembers between runs. [default: %(default)s]")
 
     g = s.add_argument_group("workload")
-    g.add_argument("--input-len", type=int, default=128,
-                   help="Prompt tokens of synthetic prompts. [default: %(default)s]")
-    g.add_argument("--output-len", type=int, default=128, help="max_tokens of each request. [default: %(default)s]")
-    g.add_argument("--range-ratio", type=float, default=0.0,
-                   help="Input and output lengths vary uniformly by +-this fraction. [default: %(default)s]")
-    g.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="Every prompt starts with the same text of this many tokens (a shared system prompt: "
-                        "exercises prefix caching), before each prompt's own --input-len tokens.")
-    g.add_argument("--dataset", default=None,
-                   help="JSONL of {\"prompt\": str, \"output_len\": int (optional)} lines instead of synthetic "
-                        "prompts; the first --num-prompts lines are used (the same ones at each load point).")
+    add_workload_args(g)
     g.add_argument("--tokenizer", default=None,
                    help="Count tokens with this local tokenizer (a model name, .gguf, or folder). [default: the "
                         "server's POST /tokenize; without it, tokenmill's default model's tokenizer]")
     g.add_argument("--ignore-eos", action="store_true",
                    help="Send ignore_eos: true (vLLM's extension) so every output is exactly max_tokens long.")
-    g.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (0: greedy). [default: 0.0]")
 
     g = s.add_argument_group("results")
-    g.add_argument("--slo", default=None, metavar="NAME=VALUE,..",
-                   help="Bounds for goodput, NAME one of ttft, tpot, itl (every gap), e2e; VALUE in ms or s "
-                        "(bare numbers are ms), e.g. ttft=500ms,tpot=100ms.")
+    add_slo_arg(g)
     g.add_argument("--output-json", default=None, help="Write the results, with every request's record.")
     g.add_argument("--plot", default=None, metavar="PNG",
                    help="Draw p50/p99 TTFT and TPOT, throughput and goodput against load.")

@@ -11,7 +11,7 @@ from tokenmill.errors import TokenmillError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tokenmill.entrypoints.cli import bench, generate, serve
+    from tokenmill.entrypoints.cli import bench, calibrate, estimate, generate, serve, simulate
 
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine and OpenAI-compatible server.")
     parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(sub)
     generate.register(sub)
     bench.register(sub)
+    calibrate.register(sub)
+    estimate.register(sub)
+    simulate.register(sub)
     return parser
 
 

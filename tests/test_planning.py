@@ -1,0 +1,240 @@
+"""The step cost model, its fit and profiles, the planner's memory arithmetic, and the simulator
+(the real scheduler in virtual time) against the real engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+
+import numpy as np
+import pytest
+
+from tokenmill import EngineConfig, SamplingParams
+from tokenmill.errors import ConfigError
+from tokenmill.planning.calibrate import design_shapes
+from tokenmill.planning.cost_model import StepCostModel, nnls
+from tokenmill.planning.machine import MachineMeasurements, machine_fingerprint
+from tokenmill.planning.model_spec import model_spec
+from tokenmill.planning.profile import Profile, choose_cost_model, default_profile_path
+from tokenmill.planning.roofline import roofline_model
+from tokenmill.planning.simulator import SimSettings, Simulation
+from tokenmill.planning.step_shape import StepShape, shape_of
+from tokenmill.planning.workload import synthetic_trace, with_arrivals
+
+TRUE_MODEL = StepCostModel(gemm=[10e-3, 10.1e-3, 10.2e-3, 10.5e-3, 11e-3, 12e-3, 14e-3, 20e-3, 35e-3, 65e-3, 125e-3,
+                                 245e-3, 485e-3], per_seq=30e-6, per_decode_context=1.2e-6, per_prefill_pair=2e-9,
+                           per_prefill_context=0.5e-6, per_sampled=60e-6, per_sampled_greedy=15e-6)
+
+
+def test_nnls_satisfies_the_optimality_conditions():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        A, b = rng.normal(size=(40, 9)), rng.normal(size=40)
+        x = nnls(A, b)
+        grad = A.T @ (b - A @ x)
+        assert (x >= 0).all()
+        assert np.allclose(grad[x > 0], 0, atol=1e-8) and (grad[x == 0] <= 1e-8).all()
+
+
+def test_step_shape_counts_attention_work():
+    # two decodes (contexts 10 and 20), a fresh 4-token chunk, a 3-token chunk after 5 cached tokens
+    s = StepShape.build([1, 1, 4, 3], [10, 20, 4, 8], [True, True, True, False])
+    assert (s.num_seqs, s.num_decodes, s.prefill_tokens, s.num_tokens) == (4, 2, 7, 9)
+    assert s.decode_context == 30 and s.prefill_context == 5 and s.num_sampled == 3
+    assert s.prefill_pairs == (4 * 5 // 2) + (3 * 5 + 3 * 4 // 2)
+
+
+def test_fit_recovers_a_known_cost_model_from_the_designed_shapes():
+    shapes = [spec.shape() for spec in design_shapes(2048, 128, 4096)]
+    fitted = StepCostModel.fit(shapes, [TRUE_MODEL.step_time(s) for s in shapes])
+    rng = random.Random(0)
+    for _ in range(200):  # shapes the design never had
+        d, q = rng.randint(0, 100), rng.choice([0, 0, rng.randint(2, 1500)])
+        s = StepShape.build([1] * d + ([q] if q else []), [rng.randint(2, 3000) for _ in range(d)] + ([q + 100] if q
+                            else []), [True] * (d + (1 if q else 0)), greedy=rng.random() < 0.2)
+        if s.num_seqs:
+            assert fitted.step_time(s) == pytest.approx(TRUE_MODEL.step_time(s), rel=0.02)
+
+
+def test_roofline_is_monotone_and_memory_bound_at_one_token(tiny_llama_dir):
+    spec = model_spec(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32"))
+    m = roofline_model(spec, MachineMeasurements(20e9, {"float32": 1e12}))
+    times = [m.gemm_time(t) for t in (1, 2, 8, 64, 512, 4096)]
+    assert times == sorted(times)
+    assert m.gemm_time(1) == pytest.approx(m.gemm_time(2), rel=0.01)  # weights streamed once either way
+    decode = [m.step_time(StepShape.build([1] * 8, [c] * 8, [True] * 8)) for c in (100, 1000)]
+    assert decode[1] - decode[0] == pytest.approx(8 * 900 * spec.kv_bytes_per_token / 20e9)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_planner_memory_matches_the_engine(tiny_qwen2_dir, dtype):
+    """Weight bytes, KV bytes per token and blocks: what estimate computes without loading weights
+    is what the engine allocates."""
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.planning.estimate import plan_memory
+
+    config = EngineConfig.from_kwargs(model=str(tiny_qwen2_dir), dtype=dtype, kv_cache_memory="24MiB",
+                                      max_model_len=512)
+    spec = model_spec(config)
+    plan = plan_memory(config, spec)
+    engine = LLMEngine(config, progress=False)
+    worker = engine.core.worker
+    assert spec.weight_bytes == worker.weight_bytes
+    assert spec.kv_bytes_per_token == worker.kv_bytes_per_token
+    assert plan.kv.num_blocks == worker.num_blocks
+    assert plan.to_dict()["max_concurrency"] == worker.num_blocks // (512 // 16)
+
+
+def test_planner_errors(tiny_llama_dir):
+    from tokenmill.planning.estimate import plan_memory
+
+    with pytest.raises(ConfigError, match="not found"):
+        model_spec(EngineConfig.from_kwargs(model="/no/such/model"))
+    config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", max_model_len=1024)
+    spec = model_spec(config)
+    with pytest.raises(ConfigError, match="impossible memory budget.*weights"):
+        plan_memory(config, spec, memory_budget=spec.weight_bytes // 2)
+    with pytest.raises(ConfigError, match="holds .* tokens, fewer than max_model_len=1024"):
+        plan_memory(config, spec, memory_budget=spec.weight_bytes + 1000 * spec.kv_bytes_per_token)
+    with pytest.raises(ConfigError, match="exceed this machine"):
+        plan_memory(config, spec, memory_budget=2**50)
+
+
+def _profile(spec, threads: int) -> Profile:
+    return Profile(machine=machine_fingerprint("cpu", threads), model=spec.fingerprint(), cost_model=TRUE_MODEL,
+                   calibration={"held_out_error_pct": {"median": 1.0, "max": 2.0, "mean": 1.0, "count": 3}})
+
+
+def test_profiles_are_tied_to_machine_and_model(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    spec = model_spec(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32"))
+    path = default_profile_path(machine_fingerprint("cpu", 2), spec.fingerprint())
+    _profile(spec, 2).save(path)
+    choice = choose_cost_model(spec, "cpu", 2)  # found by fingerprint
+    assert choice.model.to_dict() == TRUE_MODEL.to_dict() and not choice.warnings
+    # another thread count is another configuration: not found, roofline
+    with caplog.at_level(logging.WARNING):
+        assert choose_cost_model(spec, "cpu", 1).model.source == "roofline"
+    assert "no calibration profile" in caplog.text
+    # given explicitly, a profile of another machine or model is an error
+    other = _profile(spec, 2)
+    other.machine["cpu"] = "AMD EPYC 9999"
+    other.save(tmp_path / "other-machine.json")
+    with pytest.raises(ConfigError, match="machine cpu: profile 'AMD EPYC 9999'.*tokenmill calibrate"):
+        choose_cost_model(spec, "cpu", 2, str(tmp_path / "other-machine.json"))
+    fp32 = _profile(spec, 2)
+    fp32.model["dtype"] = "bfloat16"
+    fp32.save(tmp_path / "other-model.json")
+    with pytest.raises(ConfigError, match="model dtype"):
+        choose_cost_model(spec, "cpu", 2, str(tmp_path / "other-model.json"))
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(ConfigError, match="not a tokenmill calibration profile"):
+        choose_cost_model(spec, "cpu", 2, str(tmp_path / "junk.json"))
+    # a stale one (older tokenmill, or months old) warns and falls back to the roofline
+    stale = json.loads(path.read_text())
+    stale["tokenmill_version"] = "0.0.1"
+    path.write_text(json.dumps(stale))
+    choice = choose_cost_model(spec, "cpu", 2)
+    assert choice.model.source == "roofline" and "stale" in choice.warnings[0]
+    old = _profile(spec, 2)
+    old.created = "2020-01-01T00:00:00+00:00"
+    old.save(path)
+    assert "days old" in choose_cost_model(spec, "cpu", 2).warnings[0]
+
+
+class Recording(StepCostModel):
+    """A cost model that remembers the shape of every step it timed."""
+
+    def __init__(self):
+        super().__init__(**TRUE_MODEL.to_dict())
+        self.shapes: list[StepShape] = []
+
+    def step_time(self, s: StepShape) -> float:
+        self.shapes.append(s)
+        return super().step_time(s)
+
+
+def test_simulator_makes_the_engines_scheduling_decisions(tiny_llama_dir):
+    """Same trace, same settings: the real engine's steps and the simulator's have the same shapes,
+    step by step, through chunked prefill, prefix-cache hits and preemptions."""
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    bytes_per_token = 2 * 3 * 2 * 64 * 4
+    engine = LLMEngine(EngineConfig.from_kwargs(
+        model=str(tiny_llama_dir), dtype="float32", kv_cache_memory=30 * 16 * bytes_per_token, max_model_len=256,
+        max_num_batched_tokens=64, max_num_seqs=8), progress=False)
+    trace = synthetic_trace(12, 40, 30, range_ratio=0.5, shared_prefix_len=20, vocab_size=49152, seed=3)
+    for i, r in enumerate(trace):
+        engine.add_request(str(i), r.prompt_token_ids, SamplingParams(temperature=0, max_tokens=r.output_len,
+                                                                      ignore_eos=True))
+    real, schedule = [], engine.core.scheduler.schedule
+
+    def capture():
+        out = schedule()
+        real.append(shape_of(out, engine.core.scheduler.requests))
+        return out
+
+    engine.core.scheduler.schedule = capture
+    while engine.has_unfinished_requests():
+        engine.step()
+    cost = Recording()
+    settings = SimSettings(engine.core.kv.num_blocks, 16, 64, 8, True, 256)
+    result = Simulation(cost, settings, temperature=0).run(with_arrivals(trace, float("inf")))
+    assert engine.core.scheduler.num_preemptions > 0 and engine.core.kv.prefix_hits > 0
+    assert cost.shapes == [s for s in real if s.num_seqs]
+    assert result.num_preemptions == engine.core.scheduler.num_preemptions
+    assert [r.output_tokens for r in result.records] == [r.output_len for r in trace]
+
+
+def test_closed_loop_keeps_concurrency_and_times_add_up():
+    cost = Recording()
+    trace = synthetic_trace(40, 64, 16, vocab_size=1000, seed=1)
+    result = Simulation(cost, SimSettings(num_blocks=1000), temperature=1.0).run(trace, concurrency=4)
+    assert max(s.num_seqs for s in cost.shapes) == 4
+    assert result.busy == pytest.approx(sum(TRUE_MODEL.step_time(s) for s in cost.shapes))
+    assert result.duration == pytest.approx(result.busy)  # a closed loop never idles
+    for r in result.records:
+        assert r.output_tokens == 16 and len(r.chunk_times) == 16
+        assert r.sent_at < r.first_token_at <= r.end_at
+    summary = result.summary({"ttft": 1.0})
+    assert summary["completed"] == 40 and summary["total_output_tokens"] == 640
+
+
+def test_open_loop_idles_between_arrivals_and_runs_minutes_of_traffic():
+    trace = with_arrivals(synthetic_trace(600, 128, 64, vocab_size=1000), rate=1.0, seed=2)
+    result = Simulation(TRUE_MODEL, SimSettings(num_blocks=4000)).run(trace)
+    assert result.summary()["completed"] == 600
+    assert result.duration > trace[-1].arrival > 500
+    assert result.busy < result.duration
+
+
+def test_workload_jsonl(tmp_path, tiny_llama_dir):
+    from tokenmill.model.loader import load_tokenizer, resolve_model
+    from tokenmill.planning.workload import jsonl_trace
+
+    tok = load_tokenizer(resolve_model(str(tiny_llama_dir)))
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"prompt": "hello there", "output_len": 5, "timestamp": 100.5}\n'
+                    '{"prompt_len": 30, "timestamp": 100.0, "priority": 2}\n')
+    trace = jsonl_trace(str(path), tok, 7)
+    assert [r.arrival for r in trace] == [0.0, 0.5] and [r.output_len for r in trace] == [7, 5]
+    assert len(trace[0].prompt_token_ids) == 30 and trace[0].priority == 2
+    assert trace[1].prompt_token_ids == tok.encode("hello there", add_special_tokens=False)
+    path.write_text('{"prompt_len": 3, "timestamp": 1}\n{"prompt_len": 3}\n')
+    with pytest.raises(ConfigError, match="every line has a timestamp or none"):
+        jsonl_trace(str(path), tok, 7)
+    path.write_text('{"text": "x"}\n')
+    with pytest.raises(ConfigError, match="trace.jsonl:1"):
+        jsonl_trace(str(path), tok, 7)
+
+
+def test_profile_round_trip(tmp_path, tiny_llama_dir):
+    spec = model_spec(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32"))
+    p = _profile(spec, 2)
+    p.save(tmp_path / "p.json")
+    from tokenmill.planning.profile import load_profile
+
+    q = load_profile(tmp_path / "p.json")
+    assert dataclasses.asdict(q.cost_model) == dataclasses.asdict(p.cost_model) and q.machine == p.machine

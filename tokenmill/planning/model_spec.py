@@ -1,0 +1,104 @@
+"""What the planner knows about a model without loading its weights: parameter counts, weight and KV
+bytes for a dtype or quantization, and a fingerprint that ties a calibration profile to them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from tokenmill.config import EngineConfig
+from tokenmill.model.model_config import ModelConfig
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# weight-only quantization at load: bytes per weight of a linear layer, scales included
+_QUANT_BYTES = {"int8": 1 + 4 / 4096, "int4": 0.5 + 4 / 128}
+_KV_DTYPE_BYTES = {"int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    config: ModelConfig
+    dtype: str  # activations and dense weights: float32 / bfloat16 / float16
+    quantization: str  # none, gguf, int8, int4
+    kv_cache_dtype: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    linear_params: int  # weights of the per-token GEMMs (attention and MLP projections)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def linear_weight_bytes(self) -> float:
+        """Bytes a decode step streams through the GEMMs (the LM head is counted per sampled row)."""
+        share = self.linear_params / max(total_params(self.config), 1)
+        return self.weight_bytes * share
+
+    def fingerprint(self) -> dict:
+        """What a step's cost depends on: the architecture's dimensions and how weights are stored."""
+        c = self.config
+        dims = [c.architecture, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+                c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.tie_word_embeddings, c.attention_bias]
+        digest = hashlib.sha256(json.dumps(dims).encode()).hexdigest()[:16]
+        return {"name": self.name, "architecture": c.architecture, "dims": digest, "dtype": self.dtype,
+                "quantization": self.quantization, "kv_cache_dtype": self.kv_cache_dtype}
+
+
+def linear_params(c: ModelConfig) -> int:
+    qkv = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
+    o = c.num_attention_heads * c.head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return c.num_hidden_layers * (qkv + o + mlp)
+
+
+def total_params(c: ModelConfig) -> int:
+    """As the model holds them: embeddings, projections (and q/k/v biases), norms, an untied LM head."""
+    bias = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim if c.attention_bias else 0
+    norms = (2 * c.num_hidden_layers + 1) * c.hidden_size
+    head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+    return c.vocab_size * c.hidden_size + linear_params(c) + c.num_hidden_layers * bias + norms + head
+
+
+def _gguf_packed_bytes(source) -> int:
+    """Bytes of the GGUF's tensors as stored (packed quantized blocks)."""
+    import numpy as np
+
+    from tokenmill.model.loader import gguf_loader
+
+    index = json.loads((gguf_loader.prepare(source.path) / "tensors.json").read_text())
+    return sum(int(np.prod(t["data_shape"])) * np.dtype(t["data_dtype"]).itemsize for t in index.values())
+
+
+def resolve_quantization(config: EngineConfig, source) -> str:
+    """none, gguf, int8 or int4. Engines without a quantization option run dense weights."""
+    q = getattr(config.quant, "quantization", "none")
+    if q == "auto":
+        return "gguf" if source.kind == "gguf" and config.model.torch_device.type == "cpu" else "none"
+    return q
+
+
+def model_spec(config: EngineConfig) -> ModelSpec:
+    """Resolve the model (a clear ConfigError if unknown) and size it for the configured dtype."""
+    import torch
+
+    from tokenmill.model.loader import load_model_config, resolve_model
+
+    source = resolve_model(config.model.model)
+    mc = load_model_config(source)
+    dtype = str(config.model.torch_dtype).removeprefix("torch.")
+    quant = resolve_quantization(config, source)
+    dense = total_params(mc) * _DTYPE_BYTES[dtype]
+    if quant == "gguf":
+        weights = _gguf_packed_bytes(source)
+    elif quant in _QUANT_BYTES:
+        weights = dense - linear_params(mc) * (_DTYPE_BYTES[dtype] - _QUANT_BYTES[quant])
+    else:
+        weights = dense
+    kv_dtype = getattr(config.cache, "kv_cache_dtype", "auto") or "auto"
+    kv_elt = _KV_DTYPE_BYTES.get(kv_dtype, _DTYPE_BYTES[dtype] if kv_dtype == "auto" else
+                                 torch.empty(0, dtype=getattr(torch, kv_dtype)).element_size())
+    return ModelSpec(source.name, mc, dtype, quant, kv_dtype, int(weights),
+                     mc.kv_bytes_per_token * kv_elt, linear_params(mc))
