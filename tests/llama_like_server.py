@@ -44,7 +44,15 @@ class LlamaLikeServer:
         return self
 
     def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        async def cancel_connections_then_stop():
+            # connection handlers end (and abort their transports) while the loop still runs
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._loop.stop()
+
+        asyncio.run_coroutine_threadsafe(cancel_connections_then_stop(), self._loop)
         self._thread.join(10)
 
     def _run(self) -> None:
@@ -54,6 +62,7 @@ class LlamaLikeServer:
         self._ready.set()
         self._loop.run_forever()
         server.close()
+        self._loop.close()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1

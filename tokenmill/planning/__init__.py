@@ -1,0 +1,1 @@
+"""Capacity planning: a calibrated step cost model, the estimate and simulate commands, SLO admission."""
