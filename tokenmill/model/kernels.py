@@ -67,27 +67,38 @@ def _build_and_load() -> bool:
     if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
         return False
     try:
-        isa = _isa_flags()
-        key = hashlib.sha256(("|".join([torch.__version__, *isa] + [p.read_text() for p in _SOURCES]))
-                             .encode()).hexdigest()[:16]
-        root = cache_root() / "kernels" / key
-        library = root / f"{_NAME}.so"
-        if not library.is_file():
-            root.mkdir(parents=True, exist_ok=True)
-            with open(root / ".lock", "w") as lock:
-                fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait, then load its result
-                if not library.is_file():
-                    _build(root, library, isa)
-        torch.ops.load_library(str(library))
+        torch.ops.load_library(str(build_library(_NAME, _SOURCES, ["-O3", "-fopenmp", *_isa_flags()])))
         return all(hasattr(torch.ops.tokenmill, op) for op in _OPS)
     except Exception as e:  # no compiler, no ninja, an unusual platform: portable code still works
-        lines = str(e).splitlines()
-        detail = next((ln for ln in lines if "error" in ln.lower() and ".cpp" in ln), lines[0] if lines else "")
-        logger.warning("CPU kernels unavailable (%s: %s); using portable PyTorch ops", type(e).__name__, detail)
+        logger.warning("CPU kernels unavailable (%s: %s); using portable PyTorch ops", type(e).__name__,
+                       build_error_line(e))
         return False
 
 
-def _build(root: Path, library: Path, isa: list[str]) -> None:
+def build_error_line(e: Exception) -> str:
+    """The compiler's first error line, for a one-line warning."""
+    lines = str(e).splitlines()
+    return next((ln for ln in lines if "error" in ln.lower() and ".cpp" in ln), lines[0] if lines else "")
+
+
+def build_library(name: str, sources: list[Path], cflags: list[str], headers: tuple[Path, ...] = ()) -> Path:
+    """Compile `sources` into a shared library once per machine (keyed by torch's version, the
+    flags, the sources and the headers they include); concurrent processes wait for one builder
+    under a file lock. Raises when the build fails."""
+    key = hashlib.sha256(("|".join([torch.__version__, *cflags] + [p.read_text() for p in [*sources, *headers]]))
+                         .encode()).hexdigest()[:16]
+    root = cache_root() / "kernels" / key
+    library = root / f"{name}.so"
+    if not library.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait, then load its result
+            if not library.is_file():
+                _build(root, library, name, sources, cflags)
+    return library
+
+
+def _build(root: Path, library: Path, name: str, sources: list[Path], cflags: list[str]) -> None:
     """Compile in a private folder, then move the library into place atomically."""
     from torch.utils.cpp_extension import load
 
@@ -97,11 +108,11 @@ def _build(root: Path, library: Path, isa: list[str]) -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    logger.info("building tokenmill's CPU kernels (once per machine, ~20 s)")
+    logger.info("building %s (once per machine, ~20 s)", name)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix="build-"))
     try:
-        built = load(name=_NAME, sources=[str(p) for p in _SOURCES], is_python_module=False,
-                     build_directory=str(tmp), verbose=False, extra_cflags=["-O3", "-fopenmp", *isa],
+        built = load(name=name, sources=[str(p) for p in sources], is_python_module=False,
+                     build_directory=str(tmp), verbose=False, extra_cflags=cflags,
                      extra_ldflags=_openmp_ldflags())
         os.replace(built, library)
     finally:

@@ -1,0 +1,115 @@
+"""Quantized-weight kernels, per format and per ISA variant this CPU can run: dequantization equals
+gguf-py's reference, and the packed matmul equals dequantize-then-fp32-matmul."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.model.layers.quantization.formats import FORMATS, dequantize_own, random_blocks, row_bytes
+from tokenmill.model.quant_kernels import quant_kernels_available, quant_ops, supported_variants
+
+pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ toolchain")
+VARIANTS = supported_variants()
+GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+OWN_TYPES = ["I8_ROW", "I4_G128"]
+
+
+def _reference_dequant(name: str, w: np.ndarray, rows: int, k: int) -> torch.Tensor:
+    if name in GGUF_TYPES:
+        from gguf.quants import dequantize
+
+        return torch.from_numpy(dequantize(w.reshape(rows, -1), FORMATS[name].id).reshape(rows, k).astype(np.float32))
+    return dequantize_own(name, w.reshape(rows, -1), k)
+
+
+def _quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies: x rounded to int8 in blocks of 32 (scale amax / 127), as floats."""
+    xb = x.float().view(x.shape[0], -1, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    return (torch.round(xb * inv) * (amax / 127.0)).view_as(x.float())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", GGUF_TYPES + OWN_TYPES)
+def test_dequantize_matches_reference(variant, name):
+    rows, k = 37, 512
+    w = random_blocks(name, rows, k, np.random.default_rng(0))
+    ref = _reference_dequant(name, w, rows, k)
+    out = torch.empty(rows, k)
+    quant_ops(variant).dequantize(out, torch.from_numpy(w), FORMATS[name].id, k)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-30)
+    assert ref.abs().max() > 1e3 and (ref == 0).all(-1).any(), "extreme scales and zero rows are covered"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", GGUF_TYPES + OWN_TYPES)
+@pytest.mark.parametrize("m", [1, 3, 4, 7])
+def test_packed_matmul_matches_dequantized(variant, name, m):
+    rows, k = 45, 768
+    rng = np.random.default_rng(m)
+    w = random_blocks(name, rows, k, rng)
+    deq = _reference_dequant(name, w, rows, k).double()
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)) * torch.tensor([1.0, 0.0, 1e3, 1e-3, 1, 1, 1])[
+        :m, None]
+    out = torch.empty(m, rows)
+    quant_ops(variant).qlinear(out, x, [torch.from_numpy(w)], [FORMATS[name].id], [rows], None, 0)
+    # exact arithmetic on what the kernel multiplies (int8 activations): fp32 rounding apart
+    ref = (_quantize_activations(x).double() @ deq.T)
+    scale = (_quantize_activations(x).double().abs() @ deq.abs().T) + 1e-30
+    assert ((out.double() - ref).abs() / scale).max() < 1e-5
+    # against the fp32 activations: rounding x to int8 moves each product by at most 0.4% of its
+    # block's largest |x| (~1e-4 of sum |x| |w| in a typical row, ~2e-3 where one block dominates)
+    exact = x.double() @ deq.T
+    assert ((out.double() - exact).abs() / (x.double().abs() @ deq.abs().T + 1e-30)).max() < 1e-2
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_merged_shards_of_different_types_bias_and_bf16(variant):
+    """One call over q (Q4_K), k (Q4_K) and v (Q6_K) shards, with a bias, bf16 in and out."""
+    k, sizes, types = 512, [64, 32, 32], ["Q4_K", "Q4_K", "Q6_K"]
+    rng = np.random.default_rng(3)
+    ws = [random_blocks(t, n, k, rng) for t, n in zip(types, sizes)]
+    deq = torch.cat([_reference_dequant(t, w, n, k) for t, w, n in zip(types, ws, sizes)])
+    bias = torch.randn(sum(sizes))
+    x = torch.randn(2, k).bfloat16()
+    out = torch.empty(2, sum(sizes), dtype=torch.bfloat16)
+    quant_ops(variant).qlinear(out, x, [torch.from_numpy(w) for w in ws], [FORMATS[t].id for t in types], sizes,
+                               bias, 0)
+    ref = _quantize_activations(x).double() @ deq.double().T + bias.double()
+    torch.testing.assert_close(out.double(), ref.bfloat16().double(), rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_rows_go_through_the_dense_gemm(variant, dtype):
+    k, rows, m = 256, 40, 9
+    w = random_blocks("Q4_1", rows, k, np.random.default_rng(5))
+    deq = _reference_dequant("Q4_1", w, rows, k)
+    x = torch.randn(m, k).to(dtype)
+    out = torch.empty(m, rows, dtype=dtype)
+    quant_ops(variant).qlinear(out, x, [torch.from_numpy(w)], [FORMATS["Q4_1"].id], [rows], None, 8)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, deq.to(dtype)), rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_embedding_rows(variant):
+    k, vocab = 256, 50
+    w = random_blocks("Q6_K", vocab, k, np.random.default_rng(6))
+    deq = _reference_dequant("Q6_K", w, vocab, k)
+    ids = torch.tensor([3, 0, 49, 3])
+    out = torch.empty(4, k)
+    quant_ops(variant).embedding(out, ids, torch.from_numpy(w), FORMATS["Q6_K"].id, k)
+    torch.testing.assert_close(out, deq[ids], rtol=1e-6, atol=0)
+    with pytest.raises(RuntimeError, match="out of range"):
+        quant_ops(variant).embedding(out[:1], torch.tensor([50]), torch.from_numpy(w), FORMATS["Q6_K"].id, k)
+
+
+def test_row_bytes_match_gguf():
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for name in GGUF_TYPES:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
+        assert row_bytes(FORMATS[name].id, 1024) == 1024 // block * size

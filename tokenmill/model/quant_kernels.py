@@ -1,0 +1,76 @@
+"""tokenmill's quantized-weight and quantized-KV kernels, one library per ISA variant, picked at run time.
+
+The same sources (csrc/quant_*.cpp) are compiled once per variant with that variant's compiler
+flags, each registering its ops under its own namespace (`torch.ops.tokenmill_q_avx2` ...). At run
+time `quant_ops()` loads the variant of `utils.cpu.active_isa()` (the hardware's level, capped by
+TOKENMILL_CPU_ISA), so one installation runs the fastest correct code on an AVX2 laptop, an AMD
+EPYC with AVX-512 + VNNI and an AMX Xeon alike; tests load every variant the machine can run.
+AMX machines use the VNNI variant: the packed kernels serve few-row products, where AMX tiles do
+not pay off, and many-row products go to oneDNN's GEMM, which uses AMX itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from tokenmill.utils.cpu import ISA_LEVELS, active_isa, hardware_isa
+
+logger = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = [_CSRC / "quant_gemm.cpp", _CSRC / "quant_kv.cpp"]
+HEADERS = (_CSRC / "quant_blocks.h",)
+# variant -> compiler flags; the ISA level each variant needs
+VARIANT_FLAGS = {
+    "scalar": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+    "avx512_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                    "-mavx512vnni", "-mavx512bf16"],
+}
+_LEVEL_VARIANT = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512_vnni",
+                  "amx": "avx512_vnni"}
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+def variant_for(level: str) -> str:
+    return _LEVEL_VARIANT[level]
+
+
+def supported_variants() -> list[str]:
+    """Every variant this CPU can run, lowest first."""
+    hw = ISA_LEVELS.index(hardware_isa())
+    return sorted({_LEVEL_VARIANT[lv] for lv in ISA_LEVELS[:hw + 1]}, key=list(VARIANT_FLAGS).index)
+
+
+def quant_ops(variant: str | None = None):
+    """The op namespace of a variant (default: the active ISA's), building it on first use.
+    Raises RuntimeError when it cannot be built (no compiler)."""
+    from tokenmill.model.kernels import build_error_line, build_library
+
+    variant = variant or variant_for(active_isa())
+    with _lock:
+        if variant not in _loaded:
+            ns = f"tokenmill_q_{variant}"
+            flags = ["-O3", "-fopenmp", f"-DTM_QUANT_NS={ns}", *VARIANT_FLAGS[variant]]
+            try:
+                torch.ops.load_library(str(build_library(f"tokenmill_quant_{variant}", SOURCES, flags, HEADERS)))
+            except Exception as e:
+                raise RuntimeError(f"tokenmill's quantized kernels ({variant}) could not be built: "
+                                   f"{type(e).__name__}: {build_error_line(e)}") from e
+            _loaded[variant] = getattr(torch.ops, ns)
+        return _loaded[variant]
+
+
+def quant_kernels_available() -> bool:
+    try:
+        quant_ops()
+        return True
+    except RuntimeError as e:
+        logger.warning("%s", e)
+        return False
