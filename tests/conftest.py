@@ -26,16 +26,25 @@ def smol_path():
 
 @pytest.fixture(scope="session")
 def smol_fp32():
+    """The GGUF dequantized at load (quantization="none"): the weights Hugging Face computes with."""
     from tokenmill import LLM
 
-    return LLM(dtype="float32", progress=False, **SMALL_KV)
+    return LLM(dtype="float32", quantization="none", progress=False, **SMALL_KV)
 
 
 @pytest.fixture(scope="session")
 def smol_bf16():
     from tokenmill import LLM
 
-    return LLM(dtype="bfloat16", progress=False, **SMALL_KV)
+    return LLM(dtype="bfloat16", quantization="none", progress=False, **SMALL_KV)
+
+
+@pytest.fixture(scope="session")
+def smol_gguf():
+    """The GGUF in its own types (the default for a .gguf), bf16 activations."""
+    from tokenmill import LLM
+
+    return LLM(dtype="bfloat16", quantization="gguf", progress=False, **SMALL_KV)
 
 
 @pytest.fixture(scope="session")

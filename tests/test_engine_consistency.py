@@ -1,7 +1,8 @@
 """Greedy results never depend on batch composition, chunk size, prefix hits or preemption.
 
 64 requests of mixed lengths (half sharing a long system prompt) run concurrently under several
-engine configurations; in fp32, and in bf16 with `batch_invariant=True`, every request's tokens
+engine configurations; in fp32 (dense weights), and in bf16 with `batch_invariant=True` (the GGUF's
+own packed weights: every product takes the packed kernel), every request's tokens
 equal its tokens when run alone. In default bf16, batch shape changes rounding, so the test checks
 the weaker property that holds there: every batched greedy token is, teacher-forced through the
 model alone, within a near-tie of the top token.
@@ -38,8 +39,8 @@ def _prompts(tok, n=64):
 
 @pytest.fixture(scope="module")
 def reference():
-    llm = LLM(dtype="float32", enable_prefix_caching=False, kv_cache_memory="128MiB", max_model_len=512,
-              progress=False)
+    llm = LLM(dtype="float32", quantization="none", enable_prefix_caching=False, kv_cache_memory="128MiB",
+              max_model_len=512, progress=False)
     prompts = _prompts(llm.get_tokenizer())
     alone = [llm.generate([p], PARAMS, use_tqdm=False)[0].outputs[0] for p in prompts]
     del llm
@@ -60,7 +61,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_identical_alone_and_among_64(reference, name):
     prompts, alone = reference
-    args = dict(dtype="float32", kv_cache_memory="128MiB", max_model_len=512, max_num_seqs=64)
+    args = dict(dtype="float32", quantization="none", kv_cache_memory="128MiB", max_model_len=512, max_num_seqs=64)
     args.update(CONFIGS[name])
     llm = LLM(progress=False, **args)
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)

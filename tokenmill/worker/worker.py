@@ -14,6 +14,7 @@ from tokenmill.config import EngineConfig, available_memory_bytes
 from tokenmill.errors import ConfigError
 from tokenmill.model.attention import get_attention_backend
 from tokenmill.model.layers.batch_invariance import ROW_TILE, verify_row_invariance
+from tokenmill.model.layers.quantization import make_quant_config, resolve_quantization
 from tokenmill.model.loader import ModelSource, build_model, load_tokenizer
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.structured_output.params import GrammarSpec
@@ -22,6 +23,16 @@ from tokenmill.worker.kv_budget import kv_cache_budget, kv_capacity, resolve_max
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
 
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True):
@@ -36,9 +47,13 @@ class Worker:
         t0 = time.monotonic()
         self.backend = get_attention_backend(config.kernel.attention_backend, config.cache.block_size, self.device,
                                              model_config.head_dim)
+        q = config.quant
+        self.quantization = resolve_quantization(q.quantization, source.kind, self.device)
+        quant_config = make_quant_config(self.quantization, source, q.quant_group_size, q.quant_dense_min_rows)
         self.model = build_model(source, model_config, self.backend, self.max_model_len, self.dtype,
-                                 self.device, progress=progress)
+                                 self.device, progress=progress, quant_config=quant_config)
         self.weight_bytes = self.model.weight_bytes
+        quant_desc = quant_config.describe() if quant_config is not None else "none"
         # the CPU attention kernel comes with fused norm / SiLU / rotary kernels from the same build
         self.fused_ops = self.backend.name == "cpu_paged" and self.model.use_cpu_kernels()
         if config.kernel.batch_invariant:
@@ -48,8 +63,9 @@ class Worker:
             self.backend.per_row = True
             self.model.set_row_tile(ROW_TILE)
             verify_row_invariance(self.model)
-        logger.info("loaded %s (%s, %s, %.0f MiB of weights, %s attention) in %.1fs", source.name, self.dtype,
-                    self.device, self.weight_bytes / 2**20, self.backend.name, time.monotonic() - t0)
+        logger.info("loaded %s (%s, %s, weights %s: %.0f MiB resident, process RSS %.0f MiB, %s attention) in "
+                    "%.1fs", source.name, self.dtype, self.device, quant_desc, self.weight_bytes / 2**20,
+                    rss_bytes() / 2**20, self.backend.name, time.monotonic() - t0)
         fail_on = os.environ.get("TOKENMILL_DEBUG_FAIL_ON_TOKEN")
         self.runner = ModelRunner(self.model, self.backend, config.cache.block_size, model_config.vocab_size,
                                   self.device, config.model.seed, fail_on_token=int(fail_on) if fail_on else None,

@@ -36,11 +36,13 @@ def verify_row_invariance(model: torch.nn.Module, tile: int = ROW_TILE) -> None:
     for name, module in model.named_modules():
         if getattr(module, "row_tile", None) is None or not hasattr(module, "_matmul"):
             continue
-        key = (module.in_features, module.out_features, type(module).__name__)
+        method = getattr(module, "method", None)  # a quantized weight's kernel depends on its formats
+        key = (module.in_features, module.out_features, type(module).__name__, type(method).__name__,
+               tuple(getattr(method, "qtypes", ())))
         if key in seen:
             continue
         seen.add(key)
-        dtype = module.weight.dtype
+        dtype = module.dtype  # of activations (a quantized weight is stored in bytes)
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(tile + 1, module.in_features, generator=gen).to(dtype)
         alone = torch.cat([in_row_tiles(module._matmul, x[i:i + 1], tile) for i in range(tile + 1)])

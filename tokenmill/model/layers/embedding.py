@@ -1,49 +1,53 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.model.layers.batch_invariance import in_row_tiles
-from tokenmill.model.layers.linear import default_weight_loader, prepack
+from tokenmill.model.layers.linear import UnquantizedLinearMethod
+from tokenmill.model.layers.quantization.base import QuantConfig
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32, device=None):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32, device=None,
+                 quant_config: QuantConfig | None = None, prefix: str = "model.embed_tokens"):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
+        self.dtype = dtype
+        self.method = quant_config.embedding_method(prefix) if quant_config else UnquantizedLinearMethod()
+        self.method.create_weights(self, hidden_size, [vocab_size], dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        return self.method.embed(self, ids, self.dtype)
 
 
-class LMHead(VocabEmbedding):
-    """Projects hidden states to vocabulary logits (fp32, for sampling). May share the embedding."""
+class LMHead(nn.Module):
+    """Projects hidden states to vocabulary logits (fp32, for sampling). May share the embedding's
+    weight (and then its format)."""
 
     packed_weight: torch.Tensor | None = None
     row_tile: int | None = None  # batch-invariant mode (see batch_invariance.in_row_tiles)
 
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype = torch.float32, device=None,
+                 quant_config: QuantConfig | None = None, prefix: str = "lm_head"):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = hidden_size, vocab_size, dtype
+        self.method = quant_config.linear_method([prefix]) if quant_config else UnquantizedLinearMethod()
+        self.method.create_weights(self, hidden_size, [vocab_size], dtype, device)
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
+        for name, value in vars(embedding).items():  # the packed method's layout of the shared weight
+            if name.startswith("q_"):
+                setattr(self, name, value)
+        method = embedding.method
+        # the embedding keeps reading the plain weight: pack a copy, keep the original
+        self.method = UnquantizedLinearMethod(keep_plain=True) if isinstance(method, UnquantizedLinearMethod) else method
 
     def process_weights_after_loading(self) -> None:
-        # a packed copy (the embedding may share the plain weight): ~2x faster at decode batch sizes
-        self.packed_weight = prepack(self.weight)
+        self.method.process_weights_after_loading(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return in_row_tiles(self._matmul, hidden, self.row_tile).float()
+        return in_row_tiles(self._matmul, hidden, self.row_tile)
 
     def _matmul(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "")
-        return F.linear(hidden, self.weight)
+        return self.method.apply(self, hidden, None, out_dtype=torch.float32)

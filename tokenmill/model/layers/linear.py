@@ -1,4 +1,8 @@
-"""Linear layers that load their own weights, including merged ones (qkv, gate+up) that take shards."""
+"""Linear layers that load their own weights, including merged ones (qkv, gate+up) that take shards.
+
+How a layer stores and multiplies its weight is its `method` (layers/quantization): today's dense
+weights (`UnquantizedLinearMethod`, below) unless the model's QuantConfig picks another one.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from torch import nn
 
 from tokenmill.errors import ConfigError
 from tokenmill.model.layers.batch_invariance import in_row_tiles
+from tokenmill.model.layers.quantization.base import LinearMethod, QuantConfig
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -22,36 +27,81 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device, loader) -> nn.Par
     return p
 
 
+def shard_rows_loader(layer: Linear):
+    """Loads a checkpoint shard (q, k, v / gate, up) into its row range of a merged parameter."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:  # already merged in the checkpoint
+            default_weight_loader(param, loaded)
+            return
+        target = param.data[layer.shard_slices[shard_id]]
+        if target.shape != loaded.shape:
+            raise ConfigError(f"shard {shard_id!r}: shape {tuple(loaded.shape)} != {tuple(target.shape)}")
+        target.copy_(loaded)
+
+    return load
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Dense weights in the model dtype. On CPU in bf16 the weight goes to oneDNN pre-packed: 1.3-2x
+    faster GEMMs at the small batch sizes of decoding. `keep_plain` keeps the plain weight as well
+    (an LM head whose weight the embedding shares); otherwise it is dropped after packing."""
+
+    def __init__(self, keep_plain: bool = False):
+        self.keep_plain = keep_plain
+
+    def create_weights(self, layer, in_features, shard_sizes, dtype, device) -> None:
+        layer.weight = _param((sum(shard_sizes), in_features), dtype, device, shard_rows_loader(layer))
+
+    def process_weights_after_loading(self, layer) -> None:
+        layer.packed_weight = prepack(layer.weight)
+        if layer.packed_weight is not None and not self.keep_plain:
+            layer.weight.data = torch.empty(0, dtype=layer.weight.dtype)
+
+    def apply(self, layer, x, bias, out_dtype=None):
+        if layer.packed_weight is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
+        else:
+            y = F.linear(x, layer.weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def embed(self, layer, ids, dtype):
+        return F.embedding(ids, layer.weight)
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b). The weight is [out_features, in_features] as in Hugging Face checkpoints."""
+    """y = x W^T (+ b). The weight is [out_features, in_features] as in Hugging Face checkpoints.
+    `prefix` is the layer's checkpoint name, by which a QuantConfig chooses its method."""
+
+    packed_weight: torch.Tensor | None = None  # the unquantized method's oneDNN-packed weight
+    row_tile: int | None = None  # batch-invariant mode: GEMMs in fixed row tiles
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, device=None):
+                 dtype: torch.dtype = torch.float32, device=None, quant_config: QuantConfig | None = None,
+                 prefix: str = "", shard_names: dict | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _param((out_features, in_features), dtype, device, self.weight_loader)
-        self.bias = _param((out_features,), dtype, device, self.weight_loader) if bias else None
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        default_weight_loader(param, loaded)
+        self.dtype = dtype  # of activations; the weight's own dtype depends on the method
+        names = shard_names or {None: prefix}
+        sizes = getattr(self, "_shard_sizes", {None: out_features})
+        self.shard_slices: dict = {}
+        start = 0
+        for shard_id, size in sizes.items():
+            self.shard_slices[shard_id] = slice(start, start + size)
+            start += size
+        self.method = (quant_config.linear_method([names[s] for s in sizes]) if quant_config is not None
+                       else UnquantizedLinearMethod())
+        self.method.create_weights(self, in_features, list(sizes.values()), dtype, device)
+        self.bias = _param((out_features,), dtype, device, shard_rows_loader(self)) if bias else None
 
     def process_weights_after_loading(self) -> None:
-        """On CPU in bf16, hand the weight to oneDNN pre-packed: 1.3-2x faster GEMMs at the small
-        batch sizes of decoding. The plain weight is dropped (it cannot be loaded into again)."""
-        self.packed_weight = prepack(self.weight)
-        if self.packed_weight is not None:
-            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
-
-    packed_weight: torch.Tensor | None = None
-    row_tile: int | None = None  # batch-invariant mode: GEMMs in fixed row tiles
+        self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return in_row_tiles(self._matmul, x, self.row_tile)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -68,31 +118,23 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 class MergedLinear(Linear):
     """Several projections of the same input fused into one GEMM; checkpoints store them apart, so
-    each shard is loaded into its row range."""
+    each shard is loaded into its row range. `shard_names` maps each shard id to its checkpoint
+    name (for the QuantConfig: shards of one layer may come in different formats)."""
 
     def __init__(self, in_features: int, shard_sizes: dict, bias: bool = False,
-                 dtype: torch.dtype = torch.float32, device=None):
-        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype, device)
-        self.shard_slices: dict = {}
-        start = 0
-        for shard_id, size in shard_sizes.items():
-            self.shard_slices[shard_id] = slice(start, start + size)
-            start += size
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:  # already merged in the checkpoint
-            default_weight_loader(param, loaded)
-            return
-        rows = self.shard_slices[shard_id]
-        target = param.data[rows]
-        if target.shape != loaded.shape:
-            raise ConfigError(f"shard {shard_id!r}: shape {tuple(loaded.shape)} != {tuple(target.shape)}")
-        target.copy_(loaded)
+                 dtype: torch.dtype = torch.float32, device=None, quant_config: QuantConfig | None = None,
+                 shard_names: dict | None = None):
+        self._shard_sizes = dict(shard_sizes)
+        names = shard_names or {s: str(s) for s in shard_sizes}
+        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype, device, quant_config,
+                         shard_names=names)
 
 
 class QKVLinear(MergedLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, dtype: torch.dtype = torch.float32, device=None):
+                 bias: bool = False, dtype: torch.dtype = torch.float32, device=None,
+                 quant_config: QuantConfig | None = None, prefix: str = ""):
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        names = {s: f"{prefix}.{s}_proj" for s in ("q", "k", "v")}
         super().__init__(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                         bias, dtype, device)
+                         bias, dtype, device, quant_config, names)

@@ -8,6 +8,7 @@ import torch
 from tqdm import tqdm
 
 from tokenmill.model.loader import gguf_loader, hf_loader
+from tokenmill.model.layers.quantization.base import QuantConfig
 from tokenmill.model.loader.source import ModelSource, resolve_model
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.model.registry import get_model_class
@@ -24,12 +25,14 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 
 def build_model(source: ModelSource, cfg: ModelConfig, attn_backend, max_position: int,
-                dtype: torch.dtype, device: torch.device, progress: bool = True) -> torch.nn.Module:
+                dtype: torch.dtype, device: torch.device, progress: bool = True,
+                quant_config: QuantConfig | None = None) -> torch.nn.Module:
     model_cls = get_model_class(cfg.architecture)
     with torch.device(device):
-        model = model_cls(cfg, attn_backend, max_position, dtype=dtype, device=device)
+        model = model_cls(cfg, attn_backend, max_position, dtype=dtype, device=device, quant_config=quant_config)
     if source.kind == "gguf":
-        weights = gguf_loader.iter_weights(source.path, cfg, dtype)
+        packed = quant_config.packed_tensors() if quant_config is not None else set()
+        weights = gguf_loader.iter_weights(source.path, cfg, dtype, packed)
         total = None
     else:
         weights = hf_loader.iter_weights(source.path, dtype)
@@ -37,11 +40,27 @@ def build_model(source: ModelSource, cfg: ModelConfig, attn_backend, max_positio
     bar = tqdm(weights, total=total, desc=f"Loading {source.name}", unit=" tensors",
                disable=not progress, leave=False)
     model.load_weights((name, t.to(device)) for name, t in bar)
-    model.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    model.weight_bytes = resident_weight_bytes(model)
     return model.eval()
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight the model keeps: parameters (shared ones once) and oneDNN-packed copies."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *(m.packed_weight for m in model.modules()
+                                     if getattr(m, "packed_weight", None) is not None)]:
+        key = (t.data_ptr(), t.numel()) if t.layout == torch.strided else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    for m in model.modules():
+        method = getattr(m, "method", None)
+        if method is not None:
+            total += method.extra_bytes(m)
+    return total
 
 
 def load_tokenizer(source: ModelSource, override: str | None = None, trust_remote_code: bool = False):

@@ -132,9 +132,28 @@ def _undo_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, tensor) pairs, dequantized on a small thread pool (numpy releases the GIL)."""
+def tensor_types(path: Path) -> dict[str, int]:
+    """Checkpoint (Hugging Face) tensor name -> ggml type id."""
+    index = json.loads((prepare(path) / "tensors.json").read_text())
+    return {hf: t["type"] for n, t in index.items() if (hf := hf_tensor_name(n)) is not None}
+
+
+def _raw(data: np.ndarray, name: str, t: dict) -> np.ndarray:
+    count = int(np.prod(t["data_shape"]))
+    dt = np.dtype(t["data_dtype"])
+    if t["offset"] + count * dt.itemsize > data.size:
+        raise ConfigError(f"GGUF tensor {name!r} ends past the end of the file: the file is truncated or corrupt")
+    return np.frombuffer(data, dtype=dt, count=count, offset=t["offset"]).reshape(t["data_shape"])
+
+
+def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype,
+                 packed: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) pairs: tensors named in `packed` as their raw blocks ([rows, bytes per row]
+    uint8, Llama's Q/K rows permuted back whole), the others dequantized on a small thread pool
+    (numpy releases the GIL). Every block's scales are checked first: a corrupt block is an error."""
     from gguf.quants import dequantize
+
+    from tokenmill.model.layers.quantization.formats import BY_ID, check_blocks
 
     index = json.loads((prepare(path) / "tensors.json").read_text())
     data = np.memmap(path, dtype=np.uint8, mode="r")
@@ -142,15 +161,20 @@ def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[t
 
     def load(item):
         name, t = item
-        dt = np.dtype(t["data_dtype"])
-        count = int(np.prod(t["data_shape"]))
-        raw = np.frombuffer(data, dtype=dt, count=count, offset=t["offset"]).reshape(t["data_shape"])
-        arr = dequantize(raw, t["type"]).reshape(t["shape"])
+        raw = _raw(data, name, t)
+        if t["type"] in BY_ID:
+            check_blocks(name, raw, t["type"])
         hf = hf_tensor_name(name)
+        if hf in packed:
+            arr = raw.reshape(t["shape"][0], -1)
+        else:
+            arr = dequantize(raw, t["type"]).reshape(t["shape"])
         if permute and hf.endswith("q_proj.weight"):
             arr = _undo_llama_permute(arr, cfg.num_attention_heads)
         elif permute and hf.endswith("k_proj.weight"):
             arr = _undo_llama_permute(arr, cfg.num_key_value_heads)
+        if hf in packed:
+            return hf, torch.from_numpy(np.array(arr, dtype=np.uint8, order="C"))
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if not arr.flags.writeable:  # a view of the read-only map (unquantized tensors)
             arr = arr.copy()

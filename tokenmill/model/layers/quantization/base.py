@@ -1,0 +1,61 @@
+"""The quantization seam, in the manner of vLLM's LinearMethodBase.
+
+Each linear layer (the LM head and the embedding too) owns a `LinearMethod` that creates its
+weight parameter, processes it once loaded, and multiplies by it. A `QuantConfig` picks the method
+per layer from the checkpoint (so a GGUF that mixes Q4_K, Q6_K and Q8_0 loads as it is), and tells
+the loader which tensors to hand over packed rather than dequantized.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+
+class LinearMethod(ABC):
+    """How one layer stores its weight ([out_features, in_features], possibly several row shards:
+    q/k/v, gate/up) and computes y = x W^T + b."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, in_features: int, shard_sizes: list[int], dtype: torch.dtype,
+                       device) -> None:
+        """Register `layer.weight` (an nn.Parameter with a `weight_loader(param, loaded, shard_id)`)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Repack, quantize or drop what loading left behind; called once, after the last tensor."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x: [tokens, in_features] -> [tokens, out_features] in `out_dtype` (default: x's)."""
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight (for an embedding table)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot serve as an embedding")
+
+    def extra_bytes(self, layer: nn.Module) -> int:
+        """Bytes held beyond the layer's parameters (e.g. a dense copy), for memory accounting."""
+        return 0
+
+
+class QuantConfig(ABC):
+    """Chooses the method of every layer, by the checkpoint names of its weight's shards."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def linear_method(self, shard_names: list[str]) -> LinearMethod:
+        """shard_names: checkpoint names of the weight's shards, e.g. [...q_proj, ...k_proj, ...v_proj]."""
+
+    def embedding_method(self, name: str) -> LinearMethod:
+        return self.linear_method([name])
+
+    def packed_tensors(self) -> set[str]:
+        """Checkpoint tensors (names with '.weight') the loader must hand over as raw blocks."""
+        return set()
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return self.name

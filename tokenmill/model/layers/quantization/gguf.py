@@ -1,0 +1,59 @@
+"""GGUF weights in their own quantization (vLLM's `quantization="gguf"`): every tensor of a type
+the kernels read stays packed as in the file; any other quantized type is dequantized at load to
+the model dtype, with a warning naming it. Float tensors (norms, biases, F16/F32 matrices) load
+as they are."""
+
+from __future__ import annotations
+
+import logging
+
+from tokenmill.model.layers.linear import UnquantizedLinearMethod
+from tokenmill.model.layers.quantization.base import LinearMethod, QuantConfig
+from tokenmill.model.layers.quantization.formats import BY_ID
+from tokenmill.model.layers.quantization.packed import PackedLinearMethod
+
+logger = logging.getLogger(__name__)
+
+NATIVE_GGUF = {f.id for f in BY_ID.values() if f.id < 100}
+FLOAT_GGUF = {0: "F32", 1: "F16", 30: "BF16"}
+
+
+class GGUFConfig(QuantConfig):
+    name = "gguf"
+
+    def __init__(self, tensor_types: dict[str, int], dense_min_rows: int | None = None):
+        self.tensor_types = tensor_types  # checkpoint (Hugging Face) name -> ggml type id
+        self.dense_min_rows = dense_min_rows
+        self._packed: set[str] = set()
+        self._warned: set[int] = set()
+
+    def linear_method(self, shard_names: list[str]) -> LinearMethod:
+        names = [f"{n}.weight" for n in shard_names]
+        types = [self.tensor_types.get(n) for n in names]
+        if all(t in NATIVE_GGUF for t in types):
+            self._packed.update(names)
+            return PackedLinearMethod(types, self.dense_min_rows)
+        for t in types:
+            if t is not None and t not in NATIVE_GGUF and t not in FLOAT_GGUF and t not in self._warned:
+                self._warned.add(t)
+                logger.warning("GGUF type %s has no native kernel in tokenmill: its tensors (e.g. %s) are "
+                               "dequantized at load", _type_name(t), names[types.index(t)])
+        return UnquantizedLinearMethod()
+
+    def packed_tensors(self) -> set[str]:
+        return self._packed
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for n in self._packed:
+            counts[BY_ID[self.tensor_types[n]].name] = counts.get(BY_ID[self.tensor_types[n]].name, 0) + 1
+        return "gguf (" + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) + ")"
+
+
+def _type_name(t: int) -> str:
+    try:
+        from gguf.constants import GGMLQuantizationType
+
+        return GGMLQuantizationType(t).name
+    except (ImportError, ValueError):
+        return f"type {t}"

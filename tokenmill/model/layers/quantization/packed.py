@@ -1,0 +1,89 @@
+"""The linear method of weights kept packed (GGUF blocks, tokenmill's int8/int4): one flat byte
+parameter holds every shard's rows in its own format, and one kernel call multiplies by all of
+them (quant_gemm.cpp).
+
+Policy for the product x[M, K] . W^T, by the number of rows M:
+- M < dense_min_rows: the packed kernel (int8 activations, integer dot products); it reads the
+  weights once per call, as stored, which is what decoding at low concurrency is bound by;
+- M >= dense_min_rows: dequantize W slab by slab and run the dense GEMM (oneDNN, AMX where the
+  CPU has it), which wins once each weight is reused by enough rows.
+The crossover is measured per kind of CPU (benchmarks/quant_crossover.py, BENCHMARKS.md) and can be
+set with --quant-dense-min-rows. In batch-invariant mode every product takes the packed kernel,
+which computes each row the same way whatever the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.errors import ConfigError
+from tokenmill.model.layers.quantization.base import LinearMethod
+from tokenmill.model.layers.quantization.formats import BY_ID, row_bytes
+from tokenmill.model.quant_kernels import quant_ops
+from tokenmill.utils.cpu import active_isa
+
+# measured crossovers (rows) per ISA level: see BENCHMARKS.md, "Quantized GEMM crossover"
+DENSE_MIN_ROWS = {"scalar": 1, "avx2": 16, "avx512": 16, "avx512_bf16": 32, "amx": 16}
+
+
+def default_dense_min_rows() -> int:
+    return DENSE_MIN_ROWS[active_isa()]
+
+
+class PackedLinearMethod(LinearMethod):
+    """Weights stored packed in `qtypes` (one format per shard)."""
+
+    def __init__(self, qtypes: list[int], dense_min_rows: int | None = None):
+        self.qtypes = list(qtypes)
+        self.dense_min_rows = default_dense_min_rows() if dense_min_rows is None else dense_min_rows
+        self.ops = quant_ops()
+
+    def create_weights(self, layer, in_features, shard_sizes, dtype, device) -> None:
+        if len(shard_sizes) != len(self.qtypes):
+            raise ConfigError(f"{len(shard_sizes)} shards but {len(self.qtypes)} formats")
+        for qt in self.qtypes:
+            if in_features % BY_ID[qt].block:
+                raise ConfigError(f"{BY_ID[qt].name} weights need an input size that is a multiple of "
+                                  f"{BY_ID[qt].block}, got {in_features}")
+        sizes = [n * row_bytes(qt, in_features) for n, qt in zip(shard_sizes, self.qtypes)]
+        layer.q_rows = list(shard_sizes)
+        layer.q_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        layer.q_in = in_features
+        layer.weight = nn.Parameter(torch.empty(layer.q_offsets[-1], dtype=torch.uint8, device=device),
+                                    requires_grad=False)
+        layer.weight.weight_loader = self._loader(layer)
+        layer.q_views = None
+
+    def _loader(self, layer):
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+            i = list(layer.shard_slices).index(shard_id) if shard_id is not None else 0
+            start, end = layer.q_offsets[i], layer.q_offsets[i + 1]
+            if loaded.dtype != torch.uint8 or loaded.numel() != end - start:
+                raise ConfigError(f"packed weight shard {shard_id!r}: got {loaded.dtype} x {loaded.numel()}, "
+                                  f"expected {end - start} bytes of {BY_ID[self.qtypes[i]].name}")
+            param.data[start:end].copy_(loaded.reshape(-1))
+
+        return load
+
+    def process_weights_after_loading(self, layer) -> None:
+        self.shard_views(layer)
+
+    @staticmethod
+    def shard_views(layer) -> list[torch.Tensor]:
+        if layer.q_views is None or layer.q_views[0].data_ptr() != layer.weight.data_ptr():
+            flat = layer.weight.data
+            layer.q_views = [flat[a:b] for a, b in zip(layer.q_offsets, layer.q_offsets[1:])]
+        return layer.q_views
+
+    def apply(self, layer, x, bias, out_dtype=None):
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], sum(layer.q_rows), dtype=out_dtype or x.dtype, device=x.device)
+        dense = 0 if getattr(layer, "row_tile", None) is not None else self.dense_min_rows
+        self.ops.qlinear(out, x, self.shard_views(layer), self.qtypes, layer.q_rows, bias, dense)
+        return out
+
+    def embed(self, layer, ids, dtype):
+        out = torch.empty(ids.shape[0], layer.q_in, dtype=dtype, device=ids.device)
+        self.ops.embedding(out, ids, layer.weight.data, self.qtypes[0], layer.q_in)
+        return out

@@ -1,0 +1,72 @@
+"""`--quantization int8|int4` for Hugging Face folders: weight-only, round-to-nearest at load.
+int8 is symmetric per output channel; int4 is asymmetric per group of 32 (GGUF's Q4_1 layout) or
+128 along the input. Every decoder linear layer is quantized; the embedding and the LM head keep
+the model dtype (as in vLLM's default). The packed kernels are the GGUF ones."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.errors import ConfigError
+from tokenmill.model.layers.linear import UnquantizedLinearMethod, shard_rows_loader
+from tokenmill.model.layers.quantization.base import LinearMethod, QuantConfig
+from tokenmill.model.layers.quantization.formats import FORMATS, quantize_i8_row, quantize_q4_groups
+from tokenmill.model.layers.quantization.packed import PackedLinearMethod
+
+
+class WeightOnlyConfig(QuantConfig):
+    def __init__(self, bits: int, group_size: int = 128, dense_min_rows: int | None = None):
+        if bits not in (4, 8):
+            raise ConfigError(f"weight-only quantization has 8 or 4 bits, not {bits}")
+        if bits == 4 and group_size not in (32, 128):
+            raise ConfigError(f"int4 groups are 32 or 128 weights, not {group_size}", param="quant_group_size")
+        self.bits, self.group_size, self.dense_min_rows = bits, group_size, dense_min_rows
+        self.name = f"int{bits}"
+
+    @property
+    def format(self):
+        if self.bits == 8:
+            return FORMATS["I8_ROW"]
+        return FORMATS["Q4_1"] if self.group_size == 32 else FORMATS["I4_G128"]
+
+    def linear_method(self, shard_names: list[str]) -> LinearMethod:
+        if shard_names == ["lm_head"]:
+            return UnquantizedLinearMethod()
+        return QuantizeAtLoadMethod(self.format.id, len(shard_names), self.dense_min_rows)
+
+    def embedding_method(self, name: str) -> LinearMethod:
+        return UnquantizedLinearMethod()
+
+    def describe(self) -> str:
+        return f"int{self.bits} weight-only ({self.format.name}, round-to-nearest)"
+
+
+class QuantizeAtLoadMethod(PackedLinearMethod):
+    """Loads the dense weight in fp32, then quantizes it (all shards in one format) and drops it."""
+
+    def __init__(self, qtype: int, num_shards: int, dense_min_rows: int | None):
+        super().__init__([qtype], dense_min_rows)
+
+    def create_weights(self, layer, in_features, shard_sizes, dtype, device) -> None:
+        block = FORMATS["I4_G128"].block if self.qtypes[0] == FORMATS["I4_G128"].id else 32
+        if in_features % block:
+            raise ConfigError(f"{layer.__class__.__name__} with input size {in_features}: not a multiple of "
+                              f"{block}, which {self.qtypes[0]} quantization needs; use another --quant-group-size "
+                              f"or --quantization none")
+        layer.weight = nn.Parameter(torch.empty(sum(shard_sizes), in_features, dtype=torch.float32, device=device),
+                                    requires_grad=False)
+        layer.weight.weight_loader = shard_rows_loader(layer)
+
+    def process_weights_after_loading(self, layer) -> None:
+        dense = layer.weight.data
+        if self.qtypes[0] == FORMATS["I8_ROW"].id:
+            packed = quantize_i8_row(dense)
+        else:
+            packed = quantize_q4_groups(dense, FORMATS["Q4_1"].block if self.qtypes[0] == FORMATS["Q4_1"].id else 128)
+        layer.q_rows = [dense.shape[0]]
+        layer.q_in = dense.shape[1]
+        layer.q_offsets = [0, packed.numel()]
+        layer.q_views = None
+        layer.weight = nn.Parameter(packed.reshape(-1), requires_grad=False)
+        self.shard_views(layer)
