@@ -34,25 +34,31 @@ constexpr bool kVNNI = true;
 constexpr bool kVNNI = false;
 #endif
 
-// One quantized activation row: xq[K] int8, dx[K/32] scales, xs[K/16] = dx * (sum of xq per 16).
+// One quantized activation row: xq[K] int8 (|xq| <= 127), and per 32 its scale dx. For the SIMD
+// kernels, per 4 elements (one int32 lane of a dot product): dx (`dl`) and dx * sum(xq) (`sl`);
+// for the scalar kernel, per 16: dx * sum(xq) (`s`).
 struct ActRow {
   const int8_t* q;
   const float* d;
   const float* s;
+  const float* dl;
+  const float* sl;
 };
 
-inline int64_t act_row_bytes(int64_t K) { return K + K / 32 * 4 + K / 16 * 4; }
+inline int64_t act_row_bytes(int64_t K) { return K + K / 32 * 4 + K / 16 * 4 + 2 * (K / 4) * 4; }
 
 inline ActRow act_row(const uint8_t* base, int64_t K) {
-  return {reinterpret_cast<const int8_t*>(base), reinterpret_cast<const float*>(base + K),
-          reinterpret_cast<const float*>(base + K + K / 32 * 4)};
+  const float* f = reinterpret_cast<const float*>(base + K);
+  return {reinterpret_cast<const int8_t*>(base), f, f + K / 32, f + K / 32 + K / 16, f + K / 32 + K / 16 + K / 4};
 }
 
 template <typename T>
 void quantize_row(const T* x, int64_t K, uint8_t* dst) {
   int8_t* q = reinterpret_cast<int8_t*>(dst);
   float* d = reinterpret_cast<float*>(dst + K);
-  float* s = reinterpret_cast<float*>(dst + K + K / 32 * 4);
+  float* s = d + K / 32;
+  float* dl = s + K / 16;
+  float* sl = dl + K / 4;
   float xf[32];
   for (int64_t b = 0; b < K / 32; ++b) {
     float amax = 0.f;
@@ -62,15 +68,19 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst) {
     }
     const float scale = amax / 127.f;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sum0 = 0, sum1 = 0;
+    int sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int i = 0; i < 32; ++i) {
       const int v = static_cast<int>(std::nearbyint(xf[i] * inv));  // |v| <= 127: never -128
       q[b * 32 + i] = static_cast<int8_t>(v);
-      (i < 16 ? sum0 : sum1) += v;
+      sums[i / 4] += v;
     }
     d[b] = scale;
-    s[2 * b] = scale * sum0;
-    s[2 * b + 1] = scale * sum1;
+    s[2 * b] = scale * (sums[0] + sums[1] + sums[2] + sums[3]);
+    s[2 * b + 1] = scale * (sums[4] + sums[5] + sums[6] + sums[7]);
+    for (int l = 0; l < 8; ++l) {
+      dl[b * 8 + l] = scale;
+      sl[b * 8 + l] = scale * sums[l];
+    }
   }
 }
 
@@ -99,36 +109,108 @@ inline float hsum(__m256 v) {
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
+
+template <typename F>
+inline void signed_offsets(ChunkScale& s) {
+  if constexpr (F::kSigned && kVNNI) {  // the dot ran on q + 128
+    s.off[0] -= 128.f * s.d[0];
+    s.off[1] -= 128.f * s.d[1];
+  }
+}
 #endif
 
-// Dot products of one weight row with MR activation rows.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// 16 int32 lanes over 64 bytes (two chunks): lanes 4h..4h+3 hold half h (16 weights) of the pair.
+template <bool kSigned>
+inline __m512i dot64(__m512i u, __m512i x) {
+  if constexpr (kSigned) {
+    if constexpr (kVNNI) {
+      return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(u, _mm512_set1_epi8(-128)), x);
+    } else {  // |q| . (x with the sign of q)
+      const __mmask64 neg = _mm512_movepi8_mask(u);
+      const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+      return _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(u), xs), _mm512_set1_epi16(1));
+    }
+  } else {
+    if constexpr (kVNNI) {
+      return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+    } else {
+      return _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1));
+    }
+  }
+}
+
+// The four halves' values of a chunk pair, each spread over its 4 lanes.
+inline __m512 spread4(float a, float b, float c, float d) {
+  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_set_ps(d, c, b, a)));
+}
+
+// Dot products of one weight row with MR activation rows, two chunks at a time.
 template <typename F, int MR>
 inline void row_dot(const uint8_t* row, int64_t chunks, const ActRow* a, float* res) {
-  float offs[MR];
-  for (int m = 0; m < MR; ++m) offs[m] = 0.f;
-#if defined(__AVX2__)
-  __m256 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
+  __m512 acc[MR], aco[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = aco[m] = _mm512_setzero_ps();
+  int64_t c = 0;
+  for (; c + 2 <= chunks; c += 2) {
+    ChunkScale s0, s1;
+    F::scales(row, static_cast<int>(c), s0);
+    F::scales(row, static_cast<int>(c + 1), s1);
+    signed_offsets<F>(s0);
+    signed_offsets<F>(s1);
+    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(simd_bytes<F>(row, static_cast<int>(c))),
+                                         simd_bytes<F>(row, static_cast<int>(c + 1)), 1);
+    const __m512 dv = spread4(s0.d[0], s0.d[1], s1.d[0], s1.d[1]);
+    const __m512 ov = spread4(s0.off[0], s0.off[1], s1.off[0], s1.off[1]);
+    for (int m = 0; m < MR; ++m) {
+      const __m512i x = _mm512_loadu_si512(a[m].q + c * 32);
+      const __m512 p = _mm512_cvtepi32_ps(dot64<F::kSigned>(u, x));
+      acc[m] = _mm512_fmadd_ps(p, _mm512_mul_ps(dv, _mm512_loadu_ps(a[m].dl + c * 8)), acc[m]);
+      aco[m] = _mm512_fmadd_ps(ov, _mm512_loadu_ps(a[m].sl + c * 8), aco[m]);
+    }
+  }
+  float tail[MR];
+  for (int m = 0; m < MR; ++m) tail[m] = 0.f;
+  for (; c < chunks; ++c) {  // an odd last chunk
     ChunkScale s;
     F::scales(row, static_cast<int>(c), s);
-    if constexpr (F::kSigned && kVNNI) {
-      s.off[0] -= 128.f * s.d[0];
-      s.off[1] -= 128.f * s.d[1];
-    }
+    signed_offsets<F>(s);
     const __m256i u = simd_bytes<F>(row, static_cast<int>(c));
     const __m256 dv = _mm256_set_m128(_mm_set1_ps(s.d[1]), _mm_set1_ps(s.d[0]));
     for (int m = 0; m < MR; ++m) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q + c * 32));
-      const __m256 p = _mm256_cvtepi32_ps(dot32<F::kSigned>(u, x));
-      acc[m] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv, _mm256_broadcast_ss(a[m].d + c)), acc[m]);
-      offs[m] += s.off[0] * a[m].s[2 * c] + s.off[1] * a[m].s[2 * c + 1];
+      const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot32<F::kSigned>(u, x)), dv);
+      tail[m] += a[m].d[c] * hsum(p) + s.off[0] * a[m].s[2 * c] + s.off[1] * a[m].s[2 * c + 1];
     }
   }
-  for (int m = 0; m < MR; ++m) res[m] = hsum(acc[m]) + offs[m];
+  for (int m = 0; m < MR; ++m) res[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], aco[m])) + tail[m];
+}
+#elif defined(__AVX2__)
+template <typename F, int MR>
+inline void row_dot(const uint8_t* row, int64_t chunks, const ActRow* a, float* res) {
+  __m256 acc[MR], aco[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = aco[m] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    ChunkScale s;
+    F::scales(row, static_cast<int>(c), s);
+    signed_offsets<F>(s);
+    const __m256i u = simd_bytes<F>(row, static_cast<int>(c));
+    const __m256 dv = _mm256_set_m128(_mm_set1_ps(s.d[1]), _mm_set1_ps(s.d[0]));
+    const __m256 ov = _mm256_set_m128(_mm_set1_ps(s.off[1]), _mm_set1_ps(s.off[0]));
+    for (int m = 0; m < MR; ++m) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q + c * 32));
+      const __m256 p = _mm256_cvtepi32_ps(dot32<F::kSigned>(u, x));
+      acc[m] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv, _mm256_loadu_ps(a[m].dl + c * 8)), acc[m]);
+      aco[m] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(a[m].sl + c * 8), aco[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) res[m] = hsum(_mm256_add_ps(acc[m], aco[m]));
+}
 #else
-  float acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = 0.f;
+template <typename F, int MR>
+inline void row_dot(const uint8_t* row, int64_t chunks, const ActRow* a, float* res) {
+  float acc[MR], offs[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = offs[m] = 0.f;
   uint8_t u[32];
   for (int64_t c = 0; c < chunks; ++c) {
     ChunkScale s;
@@ -148,8 +230,8 @@ inline void row_dot(const uint8_t* row, int64_t chunks, const ActRow* a, float* 
     }
   }
   for (int m = 0; m < MR; ++m) res[m] = acc[m] + offs[m];
-#endif
 }
+#endif
 
 // Decode weight rows [n0, n1) of one format to floats (dst: (n1 - n0) x K, row stride ldd).
 template <typename F, typename T>
