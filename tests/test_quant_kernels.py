@@ -24,6 +24,16 @@ def _reference_dequant(name: str, w: np.ndarray, rows: int, k: int) -> torch.Ten
     return dequantize_own(name, w.reshape(rows, -1), k)
 
 
+def _packed(variant, name, w):
+    """GGUF rows -> the kernels' layout."""
+    return quant_ops(variant).repack(torch.from_numpy(w), FORMATS[name].id, w.shape[0], _k(name, w))
+
+
+def _k(name, w):
+    f = FORMATS[name]
+    return (w.shape[1] - f.row_head) // f.bytes * f.block
+
+
 def _quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """What the kernel multiplies: x rounded to int8 in blocks of 32 (scale amax / 127), as floats."""
     xb = x.float().view(x.shape[0], -1, 32)
@@ -39,7 +49,7 @@ def test_dequantize_matches_reference(variant, name):
     w = random_blocks(name, rows, k, np.random.default_rng(0))
     ref = _reference_dequant(name, w, rows, k)
     out = torch.empty(rows, k)
-    quant_ops(variant).dequantize(out, torch.from_numpy(w), FORMATS[name].id, k)
+    quant_ops(variant).dequantize(out, _packed(variant, name, w), FORMATS[name].id, k)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-30)
     assert ref.abs().max() > 1e3 and (ref == 0).all(-1).any(), "extreme scales and zero rows are covered"
 
@@ -48,14 +58,14 @@ def test_dequantize_matches_reference(variant, name):
 @pytest.mark.parametrize("name", GGUF_TYPES + OWN_TYPES)
 @pytest.mark.parametrize("m", [1, 3, 4, 7])
 def test_packed_matmul_matches_dequantized(variant, name, m):
-    rows, k = 45, 768
+    rows, k = 45, 768  # 45: a last group of 5 rows
     rng = np.random.default_rng(m)
     w = random_blocks(name, rows, k, rng)
     deq = _reference_dequant(name, w, rows, k).double()
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)) * torch.tensor([1.0, 0.0, 1e3, 1e-3, 1, 1, 1])[
         :m, None]
     out = torch.empty(m, rows)
-    quant_ops(variant).qlinear(out, x, [torch.from_numpy(w)], [FORMATS[name].id], [rows], None, 0)
+    quant_ops(variant).qlinear(out, x, [_packed(variant, name, w)], [FORMATS[name].id], [rows], None, 0)
     # exact arithmetic on what the kernel multiplies (int8 activations): fp32 rounding apart
     ref = (_quantize_activations(x).double() @ deq.T)
     scale = (_quantize_activations(x).double().abs() @ deq.abs().T) + 1e-30
@@ -76,8 +86,8 @@ def test_merged_shards_of_different_types_bias_and_bf16(variant):
     bias = torch.randn(sum(sizes))
     x = torch.randn(2, k).bfloat16()
     out = torch.empty(2, sum(sizes), dtype=torch.bfloat16)
-    quant_ops(variant).qlinear(out, x, [torch.from_numpy(w) for w in ws], [FORMATS[t].id for t in types], sizes,
-                               bias, 0)
+    quant_ops(variant).qlinear(out, x, [_packed(variant, t, w) for t, w in zip(types, ws)],
+                               [FORMATS[t].id for t in types], sizes, bias, 0)
     ref = _quantize_activations(x).double() @ deq.double().T + bias.double()
     torch.testing.assert_close(out.double(), ref.bfloat16().double(), rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
@@ -90,7 +100,7 @@ def test_many_rows_go_through_the_dense_gemm(variant, dtype):
     deq = _reference_dequant("Q4_1", w, rows, k)
     x = torch.randn(m, k).to(dtype)
     out = torch.empty(m, rows, dtype=dtype)
-    quant_ops(variant).qlinear(out, x, [torch.from_numpy(w)], [FORMATS["Q4_1"].id], [rows], None, 8)
+    quant_ops(variant).qlinear(out, x, [_packed(variant, "Q4_1", w)], [FORMATS["Q4_1"].id], [rows], None, 8)
     torch.testing.assert_close(out, torch.nn.functional.linear(x, deq.to(dtype)), rtol=2e-2, atol=1e-2)
 
 
@@ -101,10 +111,11 @@ def test_embedding_rows(variant):
     deq = _reference_dequant("Q6_K", w, vocab, k)
     ids = torch.tensor([3, 0, 49, 3])
     out = torch.empty(4, k)
-    quant_ops(variant).embedding(out, ids, torch.from_numpy(w), FORMATS["Q6_K"].id, k)
+    packed = _packed(variant, "Q6_K", w)
+    quant_ops(variant).embedding(out, ids, packed, FORMATS["Q6_K"].id, k)
     torch.testing.assert_close(out, deq[ids], rtol=1e-6, atol=0)
     with pytest.raises(RuntimeError, match="out of range"):
-        quant_ops(variant).embedding(out[:1], torch.tensor([50]), torch.from_numpy(w), FORMATS["Q6_K"].id, k)
+        quant_ops(variant).embedding(out[:1], torch.tensor([56]), packed, FORMATS["Q6_K"].id, k)
 
 
 def test_row_bytes_match_gguf():

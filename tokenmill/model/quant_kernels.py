@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = [_CSRC / "quant_gemm.cpp", _CSRC / "quant_kv.cpp"]
-HEADERS = (_CSRC / "quant_blocks.h",)
+HEADERS = (_CSRC / "quant_blocks.h", _CSRC / "quant_x8.h")
 # variant -> compiler flags; the ISA level each variant needs
 VARIANT_FLAGS = {
     "scalar": [],

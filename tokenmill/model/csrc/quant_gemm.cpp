@@ -1,13 +1,15 @@
 // Matrix products with quantized weights that stay packed (GGUF blocks, tokenmill's int8/int4):
+//   repack:    GGUF rows -> the x8 layout (quant_x8.h), once at load; same size.
 //   qlinear:   out[M, N] = x[M, K] . W^T (+ bias), W given as one or more row shards of any format
 //              (a merged qkv whose q/k are Q4_K and v is Q6_K is one call, one thread fork).
 //   dequantize / embedding: rows of W as floats (tests, the many-row path, token embeddings).
-// Few rows (decode): activations are quantized to int8 in blocks of 32 (scale dx) and each chunk
-// of 32 weights is an integer dot product (VNNI vpdpbusd, or vpmaddubsw + vpmaddwd on AVX2), so
-// the weights are read once per step, as packed as they are stored. Up to 4 activation rows share
-// each decoded chunk. Many rows (prefill): dequantize a slab of W to the activation dtype and hand
-// it to the dense GEMM (oneDNN), whose throughput wins once the weights are reused enough.
-// See quant_blocks.h for the formats. Compiled once per ISA variant (quant_kernels.py).
+// Few rows (decode): activations are quantized to int8 per 32 (scale dx), and each chunk of 8 rows x
+// 32 weights is 4 integer dot products (VNNI vpdpbusd, or vpmaddubsw + vpmaddwd) whose lanes are
+// the 8 output rows, so the weights are read once per call, as packed as they are stored, with no
+// horizontal sums. Up to 4 activation rows share each decoded chunk.
+// Many rows (prefill): dequantize a slab of W to the activation dtype and hand it to the dense
+// GEMM (oneDNN), whose throughput wins once the weights are reused enough.
+// Compiled once per ISA variant (quant_kernels.py): the SIMD paths below follow the flags.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -16,13 +18,11 @@
 #include <cmath>
 #include <vector>
 
-#include "quant_blocks.h"
+#include "quant_x8.h"
 
 #ifndef TM_QUANT_NS
 #define TM_QUANT_NS tokenmill_q_scalar
 #endif
-#define TM_STR2(x) #x
-#define TM_STR(x) TM_STR2(x)
 
 namespace {
 
@@ -33,238 +33,315 @@ constexpr bool kVNNI = true;
 #else
 constexpr bool kVNNI = false;
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kZmm = true;
+#else
+constexpr bool kZmm = false;
+#endif
 
-// One quantized activation row: xq[K] int8 (|xq| <= 127), and per 32 its scale dx. For the SIMD
-// kernels, per 4 elements (one int32 lane of a dot product): dx (`dl`) and dx * sum(xq) (`sl`);
-// for the scalar kernel, per 16: dx * sum(xq) (`s`).
+// One quantized activation row: xq[K] int8 (|xq| <= 127); per chunk c of 32: dx[c], and
+// dx * sum(xq) over the chunk (s[c]) and its halves (sa[c], sb[c]); with AVX-512, xp[c][k] is the
+// 64-byte vector that meets Uk (its groups 2k, 2k+1 each broadcast to 8 lanes).
 struct ActRow {
   const int8_t* q;
-  const float* d;
+  const float* dx;
   const float* s;
-  const float* dl;
-  const float* sl;
+  const float* sa;
+  const float* sb;
+  const uint8_t* xp;
 };
 
-inline int64_t act_row_bytes(int64_t K) { return K + K / 32 * 4 + K / 16 * 4 + 2 * (K / 4) * 4; }
+inline int64_t act_row_bytes(int64_t K) { return K + K / 32 * 16 + (kZmm ? K / 32 * 256 : 0); }
 
 inline ActRow act_row(const uint8_t* base, int64_t K) {
+  const int64_t C = K / 32;
   const float* f = reinterpret_cast<const float*>(base + K);
-  return {reinterpret_cast<const int8_t*>(base), f, f + K / 32, f + K / 32 + K / 16, f + K / 32 + K / 16 + K / 4};
+  return {reinterpret_cast<const int8_t*>(base), f, f + C, f + 2 * C, f + 3 * C, base + K + C * 16};
 }
 
 template <typename T>
 void quantize_row(const T* x, int64_t K, uint8_t* dst) {
+  const int64_t C = K / 32;
   int8_t* q = reinterpret_cast<int8_t*>(dst);
-  float* d = reinterpret_cast<float*>(dst + K);
-  float* s = d + K / 32;
-  float* dl = s + K / 16;
-  float* sl = dl + K / 4;
+  float* dx = reinterpret_cast<float*>(dst + K);
+  float *s = dx + C, *sa = dx + 2 * C, *sb = dx + 3 * C;
   float xf[32];
-  for (int64_t b = 0; b < K / 32; ++b) {
+  for (int64_t c = 0; c < C; ++c) {
     float amax = 0.f;
     for (int i = 0; i < 32; ++i) {
-      xf[i] = static_cast<float>(x[b * 32 + i]);
+      xf[i] = static_cast<float>(x[c * 32 + i]);
       amax = std::max(amax, std::fabs(xf[i]));
     }
     const float scale = amax / 127.f;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int sums[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int s0 = 0, s1 = 0;
     for (int i = 0; i < 32; ++i) {
       const int v = static_cast<int>(std::nearbyint(xf[i] * inv));  // |v| <= 127: never -128
-      q[b * 32 + i] = static_cast<int8_t>(v);
-      sums[i / 4] += v;
+      q[c * 32 + i] = static_cast<int8_t>(v);
+      (i < 16 ? s0 : s1) += v;
     }
-    d[b] = scale;
-    s[2 * b] = scale * (sums[0] + sums[1] + sums[2] + sums[3]);
-    s[2 * b + 1] = scale * (sums[4] + sums[5] + sums[6] + sums[7]);
-    for (int l = 0; l < 8; ++l) {
-      dl[b * 8 + l] = scale;
-      sl[b * 8 + l] = scale * sums[l];
+    dx[c] = scale;
+    sa[c] = scale * s0;
+    sb[c] = scale * s1;
+    s[c] = scale * (s0 + s1);
+  }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  uint8_t* xp = dst + K + C * 16;
+  for (int64_t c = 0; c < C; ++c) {
+    const __m512i xc = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32)));
+    for (int k = 0; k < 4; ++k) {
+      const __m512i idx = _mm512_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
+                                           2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k);
+      _mm512_storeu_si512(xp + (c * 4 + k) * 64, _mm512_permutexvar_epi32(idx, xc));
     }
   }
+#endif
 }
 
 #if defined(__AVX2__)
-// 8 int32 lanes; lane i holds the dot of bytes 4i..4i+3 (lanes 0-3: weights 0-15, 4-7: 16-31).
-template <bool kSigned>
-inline __m256i dot32(__m256i u, __m256i x) {
-  if constexpr (kSigned) {
-    if constexpr (kVNNI) {  // as unsigned q + 128; the kernel adds -128 * d * sum(x)
-      return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(u, _mm256_set1_epi8(-128)), x);
-    } else {
-      const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u));
-      return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-    }
+inline __m256i bits_to_bytes(uint32_t bits, uint8_t value) {  // bit i -> byte i = value or 0
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
+  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(static_cast<char>(value)));
+}
+
+// ymm j of a chunk: lanes = rows 0-7, bytes = weights 4j..4j+3 of each row (j = 2k + lane half of Uk).
+template <int BITS>
+inline void decode_ymm(const uint8_t* body, __m256i u[8]) {
+  auto ld = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  if constexpr (BITS == 8) {
+    for (int j = 0; j < 8; ++j) u[j] = ld(body + 32 * j);
   } else {
-    if constexpr (kVNNI) {
-      return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
-    } else {
-      return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {  // bytes 32j.. hold U(j/2) half j%2 (low nibbles), U(j/2 + 2) (high)
+      const __m256i h = ld(body + 32 * j);
+      u[j] = _mm256_and_si256(h, m4);
+      u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(h, 4), m4);
     }
-  }
-}
-
-inline float hsum(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-template <typename F>
-inline void signed_offsets(ChunkScale& s) {
-  if constexpr (F::kSigned && kVNNI) {  // the dot ran on q + 128
-    s.off[0] -= 128.f * s.d[0];
-    s.off[1] -= 128.f * s.d[1];
+    if constexpr (BITS >= 5) {
+      for (int j = 0; j < 8; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, body + 128 + 4 * j, 4);
+        u[j] = _mm256_or_si256(u[j], bits_to_bytes(bits, 0x10));
+      }
+    }
+    if constexpr (BITS == 6) {
+      for (int j = 0; j < 8; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, body + 160 + 4 * j, 4);
+        u[j] = _mm256_or_si256(u[j], bits_to_bytes(bits, 0x20));
+      }
+    }
   }
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-// 16 int32 lanes over 64 bytes (two chunks): lanes 4h..4h+3 hold half h (16 weights) of the pair.
-template <bool kSigned>
-inline __m512i dot64(__m512i u, __m512i x) {
-  if constexpr (kSigned) {
-    if constexpr (kVNNI) {
-      return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_xor_si512(u, _mm512_set1_epi8(-128)), x);
-    } else {  // |q| . (x with the sign of q)
-      const __mmask64 neg = _mm512_movepi8_mask(u);
-      const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
-      return _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(u), xs), _mm512_set1_epi16(1));
-    }
-  } else {
-    if constexpr (kVNNI) {
-      return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
-    } else {
-      return _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1));
-    }
-  }
+// Scales of a chunk as 8-row vectors (AVX2+): w = d * u + off, per half when two_scales.
+#if defined(__AVX2__)
+struct ChunkVec {
+  __m256 da, db, oa, ob;
+};
+
+inline __m256 ld_ph8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 ld_u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 ld_i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// The four halves' values of a chunk pair, each spread over its 4 lanes.
-inline __m512 spread4(float a, float b, float c, float d) {
-  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_set_ps(d, c, b, a)));
+template <int QT>
+inline void chunk_vec(const uint8_t* group, const uint8_t* h, int k, ChunkVec& v) {
+  if constexpr (QT == Q4_0 || QT == Q5_0 || QT == Q8_0) {
+    v.da = ld_ph8(h);
+    v.oa = _mm256_mul_ps(v.da, _mm256_set1_ps(QT == Q4_0 ? -8.f : QT == Q5_0 ? -16.f : 0.f));
+  } else if constexpr (QT == Q4_1 || QT == Q5_1 || QT == I4_G128) {
+    v.da = ld_ph8(h);
+    v.oa = ld_ph8(h + 16);
+  } else if constexpr (QT == I8_ROW) {
+    v.da = _mm256_loadu_ps(reinterpret_cast<const float*>(group));
+    v.oa = _mm256_setzero_ps();
+  } else if constexpr (QT == Q4_K || QT == Q5_K) {
+    v.da = _mm256_mul_ps(ld_ph8(h), ld_u8x8(h + 32 + 8 * k));
+    v.oa = _mm256_mul_ps(ld_ph8(h + 16), _mm256_mul_ps(ld_u8x8(h + 96 + 8 * k), _mm256_set1_ps(-1.f)));
+  } else {  // Q6_K
+    const __m256 d = ld_ph8(h);
+    v.da = _mm256_mul_ps(d, ld_i8x8(h + 16 + 16 * k));
+    v.db = _mm256_mul_ps(d, ld_i8x8(h + 24 + 16 * k));
+    v.oa = _mm256_mul_ps(v.da, _mm256_set1_ps(-32.f));
+    v.ob = _mm256_mul_ps(v.db, _mm256_set1_ps(-32.f));
+  }
+  if constexpr (QT != Q6_K) {
+    v.db = v.da;
+    v.ob = v.oa;
+  }
 }
+#endif
 
-// Dot products of one weight row with MR activation rows, two chunks at a time.
-template <typename F, int MR>
-inline void row_dot(const uint8_t* row, int64_t chunks, const ActRow* a, float* res) {
-  __m512 acc[MR], aco[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = aco[m] = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 2 <= chunks; c += 2) {
-    ChunkScale s0, s1;
-    F::scales(row, static_cast<int>(c), s0);
-    F::scales(row, static_cast<int>(c + 1), s1);
-    signed_offsets<F>(s0);
-    signed_offsets<F>(s1);
-    const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(simd_bytes<F>(row, static_cast<int>(c))),
-                                         simd_bytes<F>(row, static_cast<int>(c + 1)), 1);
-    const __m512 dv = spread4(s0.d[0], s0.d[1], s1.d[0], s1.d[1]);
-    const __m512 ov = spread4(s0.off[0], s0.off[1], s1.off[0], s1.off[1]);
-    for (int m = 0; m < MR; ++m) {
-      const __m512i x = _mm512_loadu_si512(a[m].q + c * 32);
-      const __m512 p = _mm512_cvtepi32_ps(dot64<F::kSigned>(u, x));
-      acc[m] = _mm512_fmadd_ps(p, _mm512_mul_ps(dv, _mm512_loadu_ps(a[m].dl + c * 8)), acc[m]);
-      aco[m] = _mm512_fmadd_ps(ov, _mm512_loadu_ps(a[m].sl + c * 8), aco[m]);
-    }
-  }
-  float tail[MR];
-  for (int m = 0; m < MR; ++m) tail[m] = 0.f;
-  for (; c < chunks; ++c) {  // an odd last chunk
-    ChunkScale s;
-    F::scales(row, static_cast<int>(c), s);
-    signed_offsets<F>(s);
-    const __m256i u = simd_bytes<F>(row, static_cast<int>(c));
-    const __m256 dv = _mm256_set_m128(_mm_set1_ps(s.d[1]), _mm_set1_ps(s.d[0]));
-    for (int m = 0; m < MR; ++m) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q + c * 32));
-      const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot32<F::kSigned>(u, x)), dv);
-      tail[m] += a[m].d[c] * hsum(p) + s.off[0] * a[m].s[2 * c] + s.off[1] * a[m].s[2 * c + 1];
-    }
-  }
-  for (int m = 0; m < MR; ++m) res[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m], aco[m])) + tail[m];
-}
-#elif defined(__AVX2__)
-template <typename F, int MR>
-inline void row_dot(const uint8_t* row, int64_t chunks, const ActRow* a, float* res) {
+template <int QT> constexpr int kBits = QT == Q8_0 || QT == I8_ROW ? 8 : QT == Q6_K ? 6 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) ? 5 : 4;
+template <int QT> constexpr bool kSignedQ = QT == Q8_0 || QT == I8_ROW;
+
+// out[m][r] (m < MR, r < 8) = row r of a group . activation row m
+template <int QT, int MR>
+void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a, float out[][8]) {
+  const int64_t C = K / 32;
+  const int cpb = g.qk / 32;
+#if defined(__AVX2__)
+  constexpr bool kSigned = kSignedQ<QT>;
+  constexpr bool kTwo = QT == Q6_K;
   __m256 acc[MR], aco[MR];
   for (int m = 0; m < MR; ++m) acc[m] = aco[m] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    ChunkScale s;
-    F::scales(row, static_cast<int>(c), s);
-    signed_offsets<F>(s);
-    const __m256i u = simd_bytes<F>(row, static_cast<int>(c));
-    const __m256 dv = _mm256_set_m128(_mm_set1_ps(s.d[1]), _mm_set1_ps(s.d[0]));
-    const __m256 ov = _mm256_set_m128(_mm_set1_ps(s.off[1]), _mm_set1_ps(s.off[0]));
-    for (int m = 0; m < MR; ++m) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[m].q + c * 32));
-      const __m256 p = _mm256_cvtepi32_ps(dot32<F::kSigned>(u, x));
-      acc[m] = _mm256_fmadd_ps(p, _mm256_mul_ps(dv, _mm256_loadu_ps(a[m].dl + c * 8)), acc[m]);
-      aco[m] = _mm256_fmadd_ps(ov, _mm256_loadu_ps(a[m].sl + c * 8), aco[m]);
+  for (int64_t c = 0; c < C; ++c) {
+    const int k = static_cast<int>(c % cpb);
+    const uint8_t* h = x8_block(group, g, c / cpb);
+    const uint8_t* body = h + g.block_head + k * g.body;
+    ChunkVec v;
+    chunk_vec<QT>(group, h, k, v);
+    if constexpr (kSigned && kVNNI) {  // dot products run on q + 128
+      v.oa = _mm256_mul_ps(v.da, _mm256_set1_ps(-128.f));
+      v.ob = v.oa;
     }
-  }
-  for (int m = 0; m < MR; ++m) res[m] = hsum(_mm256_add_ps(acc[m], aco[m]));
-}
-#else
-template <typename F, int MR>
-inline void row_dot(const uint8_t* row, int64_t chunks, const ActRow* a, float* res) {
-  float acc[MR], offs[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = offs[m] = 0.f;
-  uint8_t u[32];
-  for (int64_t c = 0; c < chunks; ++c) {
-    ChunkScale s;
-    F::scales(row, static_cast<int>(c), s);
-    F::bytes(row, static_cast<int>(c), u);
-    for (int m = 0; m < MR; ++m) {
-      const int8_t* x = a[m].q + c * 32;
-      int d0 = 0, d1 = 0;
-      for (int i = 0; i < 16; ++i) {
-        const int w0 = F::kSigned ? static_cast<int8_t>(u[i]) : u[i];
-        const int w1 = F::kSigned ? static_cast<int8_t>(u[i + 16]) : u[i + 16];
-        d0 += w0 * x[i];
-        d1 += w1 * x[i + 16];
+    __m256i ra[MR], rb[MR];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512i U[4];
+    {
+      __m256i u[8];
+      decode_ymm<kBits<QT>>(body, u);
+      for (int j = 0; j < 4; ++j) {
+        U[j] = _mm512_inserti64x4(_mm512_castsi256_si512(u[2 * j]), u[2 * j + 1], 1);
+        if constexpr (kSigned && kVNNI) U[j] = _mm512_xor_si512(U[j], _mm512_set1_epi8(-128));
       }
-      acc[m] += a[m].d[c] * (s.d[0] * d0 + s.d[1] * d1);
-      offs[m] += s.off[0] * a[m].s[2 * c] + s.off[1] * a[m].s[2 * c + 1];
+    }
+    for (int m = 0; m < MR; ++m) {
+      const uint8_t* xp = a[m].xp + c * 256;
+      auto dp = [&](__m512i acc_i, int j) {
+        const __m512i x = _mm512_loadu_si512(xp + 64 * j);
+        if constexpr (kVNNI) {
+          return _mm512_dpbusd_epi32(acc_i, U[j], x);
+        } else if constexpr (kSigned) {
+          const __mmask64 neg = _mm512_movepi8_mask(U[j]);
+          const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+          return _mm512_add_epi32(acc_i, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(U[j]), xs),
+                                                           _mm512_set1_epi16(1)));
+        } else {
+          return _mm512_add_epi32(acc_i, _mm512_madd_epi16(_mm512_maddubs_epi16(U[j], x), _mm512_set1_epi16(1)));
+        }
+      };
+      auto fold = [](__m512i z) { return _mm256_add_epi32(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1)); };
+      if constexpr (kTwo) {
+        ra[m] = fold(dp(dp(_mm512_setzero_si512(), 0), 1));
+        rb[m] = fold(dp(dp(_mm512_setzero_si512(), 2), 3));
+      } else {
+        ra[m] = fold(dp(dp(dp(dp(_mm512_setzero_si512(), 0), 1), 2), 3));
+      }
+    }
+#else
+    __m256i u[8];
+    decode_ymm<kBits<QT>>(body, u);
+    for (int m = 0; m < MR; ++m) {
+      const int8_t* xq = a[m].q + c * 32;
+      auto dp = [&](int j) {
+        int32_t xg;
+        std::memcpy(&xg, xq + 4 * j, 4);
+        const __m256i x = _mm256_set1_epi32(xg);
+        if constexpr (kSigned) {
+          return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(u[j], u[j]), _mm256_sign_epi8(x, u[j])),
+                                   _mm256_set1_epi16(1));
+        } else {
+          return _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], x), _mm256_set1_epi16(1));
+        }
+      };
+      const __m256i lo = _mm256_add_epi32(_mm256_add_epi32(dp(0), dp(1)), _mm256_add_epi32(dp(2), dp(3)));
+      const __m256i hi = _mm256_add_epi32(_mm256_add_epi32(dp(4), dp(5)), _mm256_add_epi32(dp(6), dp(7)));
+      if constexpr (kTwo) {
+        ra[m] = lo;
+        rb[m] = hi;
+      } else {
+        ra[m] = _mm256_add_epi32(lo, hi);
+      }
+    }
+#endif
+    for (int m = 0; m < MR; ++m) {
+      const __m256 dx = _mm256_set1_ps(a[m].dx[c]);
+      if constexpr (kTwo) {
+        acc[m] = _mm256_fmadd_ps(v.da, _mm256_mul_ps(_mm256_cvtepi32_ps(ra[m]), dx), acc[m]);
+        acc[m] = _mm256_fmadd_ps(v.db, _mm256_mul_ps(_mm256_cvtepi32_ps(rb[m]), dx), acc[m]);
+        aco[m] = _mm256_fmadd_ps(v.oa, _mm256_set1_ps(a[m].sa[c]), aco[m]);
+        aco[m] = _mm256_fmadd_ps(v.ob, _mm256_set1_ps(a[m].sb[c]), aco[m]);
+      } else {
+        acc[m] = _mm256_fmadd_ps(v.da, _mm256_mul_ps(_mm256_cvtepi32_ps(ra[m]), dx), acc[m]);
+        aco[m] = _mm256_fmadd_ps(v.oa, _mm256_set1_ps(a[m].s[c]), aco[m]);
+      }
     }
   }
-  for (int m = 0; m < MR; ++m) res[m] = acc[m] + offs[m];
-}
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out[m], _mm256_add_ps(acc[m], aco[m]));
+#else
+  float acc[MR][8] = {};
+  uint8_t u[8][32];
+  for (int64_t c = 0; c < C; ++c) {
+    const uint8_t* body = x8_block(group, g, c / cpb) + g.block_head + (c % cpb) * g.body;
+    X8Scales s;
+    x8_chunk_scales(QT, group, g, c, s);
+    x8_chunk_bytes(body, g, u);
+    for (int r = 0; r < 8; ++r) {
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* x = a[m].q + c * 32;
+        int d0 = 0, d1 = 0;
+        for (int i = 0; i < 16; ++i) {
+          d0 += (kSignedQ<QT> ? static_cast<int8_t>(u[r][i]) : u[r][i]) * x[i];
+          d1 += (kSignedQ<QT> ? static_cast<int8_t>(u[r][i + 16]) : u[r][i + 16]) * x[i + 16];
+        }
+        acc[m][r] += a[m].dx[c] * (s.d[r][0] * d0 + s.d[r][1] * d1) + s.off[r][0] * a[m].sa[c] +
+                     s.off[r][1] * a[m].sb[c];
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < 8; ++r) out[m][r] = acc[m][r];
 #endif
+}
 
-// Decode weight rows [n0, n1) of one format to floats (dst: (n1 - n0) x K, row stride ldd).
-template <typename F, typename T>
-void dequant_rows(const uint8_t* w, int64_t rb, int64_t K, int64_t n0, int64_t n1, T* dst, int64_t ldd) {
-  const int64_t chunks = K / 32;
-  float tmp[32];
-  uint8_t u[32];
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * rb;
-    T* o = dst + (n - n0) * ldd;
-    for (int64_t c = 0; c < chunks; ++c) {
-      ChunkScale s;
-      F::scales(row, static_cast<int>(c), s);
-#if defined(__AVX2__)
-      const __m256i v = simd_bytes<F>(row, static_cast<int>(c));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(u), v);
-      for (int h = 0; h < 2; ++h) {
-        const __m256 d = _mm256_set1_ps(s.d[h]), off = _mm256_set1_ps(s.off[h]);
-        for (int j = 0; j < 16; j += 8) {
-          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(u + 16 * h + j));
-          const __m256i i32 = F::kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
-          _mm256_storeu_ps(tmp + 16 * h + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), d, off));
+template <typename Fn>
+bool dispatch_qtype(int qtype, Fn&& f) {
+  switch (qtype) {
+    case Q4_0: f(std::integral_constant<int, Q4_0>{}); return true;
+    case Q4_1: f(std::integral_constant<int, Q4_1>{}); return true;
+    case Q5_0: f(std::integral_constant<int, Q5_0>{}); return true;
+    case Q5_1: f(std::integral_constant<int, Q5_1>{}); return true;
+    case Q8_0: f(std::integral_constant<int, Q8_0>{}); return true;
+    case Q4_K: f(std::integral_constant<int, Q4_K>{}); return true;
+    case Q5_K: f(std::integral_constant<int, Q5_K>{}); return true;
+    case Q6_K: f(std::integral_constant<int, Q6_K>{}); return true;
+    case I8_ROW: f(std::integral_constant<int, I8_ROW>{}); return true;
+    case I4_G128: f(std::integral_constant<int, I4_G128>{}); return true;
+    default: return false;
+  }
+}
+
+// Rows [r0, r1) of a packed weight as floats (dst row stride K).
+template <typename T>
+void dequant_rows(const uint8_t* w, int qtype, int64_t K, int64_t r0, int64_t r1, T* dst) {
+  const X8Geom g = x8_geom(qtype);
+  const int64_t gb = x8_group_bytes(qtype, K), C = K / 32;
+  const int cpb = g.qk / 32;
+  uint8_t u[8][32];
+  for (int64_t gi = r0 / 8; gi * 8 < r1; ++gi) {
+    const uint8_t* group = w + gi * gb;
+    for (int64_t c = 0; c < C; ++c) {
+      X8Scales s;
+      x8_chunk_scales(qtype, group, g, c, s);
+      x8_chunk_bytes(x8_block(group, g, c / cpb) + g.block_head + (c % cpb) * g.body, g, u);
+      for (int r = 0; r < 8; ++r) {
+        const int64_t n = gi * 8 + r;
+        if (n < r0 || n >= r1) continue;
+        T* o = dst + (n - r0) * K + c * 32;
+        for (int e = 0; e < 32; ++e) {
+          const int h = e >> 4;
+          const float q = x8_signed(qtype) ? static_cast<float>(static_cast<int8_t>(u[r][e])) : static_cast<float>(u[r][e]);
+          o[e] = static_cast<T>(s.d[r][h] * q + s.off[r][h]);
         }
       }
-#else
-      F::bytes(row, static_cast<int>(c), u);
-      for (int i = 0; i < 32; ++i) {
-        const int h = i >> 4;
-        const float q = F::kSigned ? static_cast<float>(static_cast<int8_t>(u[i])) : static_cast<float>(u[i]);
-        tmp[i] = s.d[h] * q + s.off[h];
-      }
-#endif
-      for (int i = 0; i < 32; ++i) o[c * 32 + i] = static_cast<T>(tmp[i]);
     }
   }
 }
@@ -272,7 +349,7 @@ void dequant_rows(const uint8_t* w, int64_t rb, int64_t K, int64_t n0, int64_t n
 struct Shard {
   const uint8_t* w;
   int qtype;
-  int64_t rows, rb, first;  // rows, bytes per row, first output column
+  int64_t rows, gb, first;  // rows, bytes per group of 8 rows, first output column
 };
 
 std::vector<Shard> make_shards(const std::vector<at::Tensor>& weights, at::IntArrayRef qtypes,
@@ -282,14 +359,14 @@ std::vector<Shard> make_shards(const std::vector<at::Tensor>& weights, at::IntAr
   int64_t first = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
     const int qt = static_cast<int>(qtypes[i]);
-    const int64_t rb = row_bytes(qt, K);
-    TORCH_CHECK(rb > 0, "quantized weight: unsupported type ", qt);
-    TORCH_CHECK(K % block_size(qt) == 0, "quantized weight: K=", K, " is not a multiple of the block size ",
-                block_size(qt));
+    const X8Geom g = x8_geom(qt);
+    TORCH_CHECK(g.qk > 0, "quantized weight: unsupported type ", qt);
+    TORCH_CHECK(K % g.qk == 0, "quantized weight: K=", K, " is not a multiple of the block size ", g.qk);
+    const int64_t gb = x8_group_bytes(qt, K);
     const auto& w = weights[i];
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == rows[i] * rb,
-                "quantized weight: expected ", rows[i], " x ", rb, " contiguous bytes for type ", qt);
-    shards.push_back({w.data_ptr<uint8_t>(), qt, rows[i], rb, first});
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == (rows[i] + 7) / 8 * gb,
+                "quantized weight: expected ", (rows[i] + 7) / 8, " groups of ", gb, " bytes for type ", qt);
+    shards.push_back({w.data_ptr<uint8_t>(), qt, rows[i], gb, first});
     first += rows[i];
   }
   return shards;
@@ -298,56 +375,54 @@ std::vector<Shard> make_shards(const std::vector<at::Tensor>& weights, at::IntAr
 template <typename TX>
 void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& shards, float* out, int64_t ldo) {
   const int64_t arb = act_row_bytes(K);
-  std::vector<uint8_t> act(M * arb);
+  std::vector<uint8_t> act(M * arb + 64);
+  uint8_t* abase = act.data() + (64 - reinterpret_cast<uintptr_t>(act.data()) % 64) % 64;
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) quantize_row(x + m * K, K, act.data() + m * arb);
+    for (int64_t m = b; m < e; ++m) quantize_row(x + m * K, K, abase + m * arb);
   });
   std::vector<ActRow> rows(M);
-  for (int64_t m = 0; m < M; ++m) rows[m] = act_row(act.data() + m * arb, K);
-  const int64_t N = shards.back().first + shards.back().rows;
-  const int64_t chunks = K / 32;
-  constexpr int64_t kRowBlock = 16;
-  at::parallel_for(0, (N + kRowBlock - 1) / kRowBlock, 1, [&](int64_t b, int64_t e) {
+  for (int64_t m = 0; m < M; ++m) rows[m] = act_row(abase + m * arb, K);
+  // work items: groups of 8 rows over all shards
+  std::vector<int64_t> starts{0};
+  for (const Shard& s : shards) starts.push_back(starts.back() + (s.rows + 7) / 8);
+  at::parallel_for(0, starts.back(), 4, [&](int64_t b, int64_t e) {
     size_t si = 0;
-    for (int64_t n0 = b * kRowBlock; n0 < std::min(N, e * kRowBlock); n0 += kRowBlock) {
-      const int64_t n1 = std::min(N, n0 + kRowBlock);
-      for (int64_t n = n0; n < n1;) {  // rows of one shard at a time
-        while (n >= shards[si].first + shards[si].rows) ++si;
-        while (n < shards[si].first) --si;
-        const Shard& sh = shards[si];
-        const int64_t stop = std::min(n1, sh.first + sh.rows);
-        dispatch_format(sh.qtype, [&](auto fmt) {
-          using F = decltype(fmt);
-          for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t mr = std::min<int64_t>(4, M - m0);
-            for (int64_t r = n; r < stop; ++r) {
-              const uint8_t* row = sh.w + (r - sh.first) * sh.rb;
-              float res[4];
-              switch (mr) {
-                case 4: row_dot<F, 4>(row, chunks, &rows[m0], res); break;
-                case 3: row_dot<F, 3>(row, chunks, &rows[m0], res); break;
-                case 2: row_dot<F, 2>(row, chunks, &rows[m0], res); break;
-                default: row_dot<F, 1>(row, chunks, &rows[m0], res); break;
-              }
-              for (int64_t m = 0; m < mr; ++m) out[(m0 + m) * ldo + r] = res[m];
-            }
+    for (int64_t item = b; item < e; ++item) {
+      while (item >= starts[si + 1]) ++si;
+      const Shard& sh = shards[si];
+      const int64_t gi = item - starts[si];
+      const X8Geom g = x8_geom(sh.qtype);
+      const uint8_t* group = sh.w + gi * sh.gb;
+      const int nr = static_cast<int>(std::min<int64_t>(8, sh.rows - gi * 8));
+      dispatch_qtype(sh.qtype, [&](auto qt) {
+        constexpr int QT = decltype(qt)::value;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const int64_t mr = std::min<int64_t>(4, M - m0);
+          float res[4][8];
+          switch (mr) {
+            case 4: group_dot<QT, 4>(group, g, K, &rows[m0], res); break;
+            case 3: group_dot<QT, 3>(group, g, K, &rows[m0], res); break;
+            case 2: group_dot<QT, 2>(group, g, K, &rows[m0], res); break;
+            default: group_dot<QT, 1>(group, g, K, &rows[m0], res); break;
           }
-        });
-        n = stop;
-      }
+          for (int64_t m = 0; m < mr; ++m)
+            for (int r = 0; r < nr; ++r) out[(m0 + m) * ldo + sh.first + gi * 8 + r] = res[m][r];
+        }
+      });
     }
   });
 }
 
 template <typename T>
 void dequant_shard(const Shard& sh, int64_t K, int64_t r0, int64_t r1, T* dst) {
-  at::parallel_for(r0, r1, 8, [&](int64_t b, int64_t e) {
-    dispatch_format(sh.qtype, [&](auto fmt) { dequant_rows<decltype(fmt), T>(sh.w, sh.rb, K, b, e, dst + (b - r0) * K, K); });
+  at::parallel_for(r0 / 8, (r1 + 7) / 8, 4, [&](int64_t b, int64_t e) {
+    const int64_t lo = std::max(r0, b * 8), hi = std::min(r1, e * 8);
+    dequant_rows<T>(sh.w, sh.qtype, K, lo, hi, dst + (lo - r0) * K);
   });
 }
 
-// out: [M, N] (float, or x's dtype); x: [M, K] float or bf16. Rows of x above `dense_min_rows`
-// go through dequantize + dense GEMM instead of the packed kernel.
+// out: [M, N] (float, or x's dtype); x: [M, K] float or bf16. With M >= dense_min_rows > 0, W is
+// dequantized slab by slab and multiplied by the dense GEMM instead of the packed kernel.
 void qlinear(at::Tensor out, const at::Tensor& x, std::vector<at::Tensor> weights, at::IntArrayRef qtypes,
              at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t dense_min_rows) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(), "qlinear: layout");
@@ -358,9 +433,9 @@ void qlinear(at::Tensor out, const at::Tensor& x, std::vector<at::Tensor> weight
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "qlinear: x must be float or bf16");
   if (M == 0) return;
   if (dense_min_rows > 0 && M >= dense_min_rows) {
-    // slabs of at most ~4 MiB of dense weights, so the slab stays in cache while the GEMM reads it
-    const int64_t slab = std::max<int64_t>(64, (4 << 20) / (K * x.element_size()));
-    at::Tensor buf = at::empty({std::min(slab, N), K}, x.options());
+    // slabs of ~4 MiB of dense weights (a multiple of 8 rows), reused by every row of x
+    const int64_t slab = std::max<int64_t>(64, (4 << 20) / (K * x.element_size())) / 8 * 8;
+    at::Tensor buf = at::empty({std::min(slab, N + 8), K}, x.options());
     for (const Shard& sh : shards) {
       for (int64_t r0 = 0; r0 < sh.rows; r0 += slab) {
         const int64_t r1 = std::min(sh.rows, r0 + slab);
@@ -381,6 +456,26 @@ void qlinear(at::Tensor out, const at::Tensor& x, std::vector<at::Tensor> weight
   if (!direct) out.copy_(acc);
 }
 
+// GGUF rows [N, rb] -> x8 groups
+at::Tensor repack(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K) {
+  const int qt = static_cast<int>(qtype);
+  const X8Geom g = x8_geom(qt);
+  TORCH_CHECK(g.qk > 0 && K % g.qk == 0, "repack: unsupported type ", qt, " or K=", K);
+  const int64_t rb = row_bytes(qt, K);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * rb, "repack: expected ", N,
+              " rows of ", rb, " bytes");
+  const int64_t groups = (N + 7) / 8, gb = x8_group_bytes(qt, K);
+  at::Tensor out = at::empty({groups * gb}, w.options());
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
+    dispatch_format(qt, [&](auto fmt) {
+      for (int64_t gi = b; gi < e; ++gi) x8_repack_group<decltype(fmt)>(src, rb, N, K, qt, gi, dst);
+    });
+  });
+  return out;
+}
+
 // [rows, K] dequantized (dtype of out)
 void dequantize(at::Tensor out, const at::Tensor& w, int64_t qtype, int64_t K) {
   const int64_t rows = out.size(0);
@@ -391,24 +486,21 @@ void dequantize(at::Tensor out, const at::Tensor& w, int64_t qtype, int64_t K) {
   else TORCH_CHECK(false, "dequantize: out must be float or bf16");
 }
 
-// out[t] = row ids[t] of W, dequantized
+// out[t] = row ids[t] of W (vocab rows), dequantized
 void embedding(at::Tensor out, const at::Tensor& ids, const at::Tensor& w, int64_t qtype, int64_t K) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && out.is_contiguous() && out.size(1) == K, "embedding: layout");
-  const int64_t rb = row_bytes(static_cast<int>(qtype), K);
-  TORCH_CHECK(rb > 0 && w.numel() % rb == 0, "embedding: unsupported type or size");
-  const int64_t vocab = w.numel() / rb, T_ = ids.numel();
+  const int64_t gb = x8_group_bytes(static_cast<int>(qtype), K);
+  TORCH_CHECK(gb > 0 && w.numel() % gb == 0, "embedding: unsupported type or size");
+  const int64_t vocab = w.numel() / gb * 8, T_ = ids.numel();
   auto idc = ids.contiguous();
   const int64_t* id = idc.data_ptr<int64_t>();
   for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < vocab, "embedding: token id ", id[t], " out of range");
   const uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, T_, 16, [&](int64_t b, int64_t e) {
-    dispatch_format(static_cast<int>(qtype), [&](auto fmt) {
-      using F = decltype(fmt);
-      for (int64_t t = b; t < e; ++t) {
-        if (out.scalar_type() == at::kFloat) dequant_rows<F, float>(wp + id[t] * rb, rb, K, 0, 1, out.data_ptr<float>() + t * K, K);
-        else dequant_rows<F, at::BFloat16>(wp + id[t] * rb, rb, K, 0, 1, out.data_ptr<at::BFloat16>() + t * K, K);
-      }
-    });
+    for (int64_t t = b; t < e; ++t) {
+      if (out.scalar_type() == at::kFloat) dequant_rows<float>(wp, qtype, K, id[t], id[t] + 1, out.data_ptr<float>() + t * K);
+      else dequant_rows<at::BFloat16>(wp, qtype, K, id[t], id[t] + 1, out.data_ptr<at::BFloat16>() + t * K);
+    }
   });
 }
 
@@ -433,6 +525,7 @@ std::string variant() {
 TM_LIBRARY(TM_QUANT_NS, m) {
   m.def("qlinear(Tensor(a!) out, Tensor x, Tensor[] weights, int[] qtypes, int[] rows, Tensor? bias, "
         "int dense_min_rows) -> ()");
+  m.def("repack(Tensor w, int qtype, int N, int K) -> Tensor");
   m.def("dequantize(Tensor(a!) out, Tensor w, int qtype, int K) -> ()");
   m.def("embedding(Tensor(a!) out, Tensor ids, Tensor w, int qtype, int K) -> ()");
   m.def("variant() -> str", &variant);
@@ -440,6 +533,7 @@ TM_LIBRARY(TM_QUANT_NS, m) {
 
 TM_LIBRARY_IMPL(TM_QUANT_NS, CPU, m) {
   m.impl("qlinear", &qlinear);
+  m.impl("repack", &repack);
   m.impl("dequantize", &dequantize);
   m.impl("embedding", &embedding);
 }

@@ -16,6 +16,10 @@ class VocabEmbedding(nn.Module):
         self.method = quant_config.embedding_method(prefix) if quant_config else UnquantizedLinearMethod()
         self.method.create_weights(self, hidden_size, [vocab_size], dtype, device)
 
+    def process_weights_after_loading(self) -> None:
+        if not isinstance(self.method, UnquantizedLinearMethod):  # a dense table stays as it is
+            self.method.process_weights_after_loading(self)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.method.embed(self, ids, self.dtype)
 
@@ -34,16 +38,24 @@ class LMHead(nn.Module):
         self.method = quant_config.linear_method([prefix]) if quant_config else UnquantizedLinearMethod()
         self.method.create_weights(self, hidden_size, [vocab_size], dtype, device)
 
+    _tied: list | None = None
+
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
-        for name, value in vars(embedding).items():  # the packed method's layout of the shared weight
-            if name.startswith("q_"):
-                setattr(self, name, value)
+        self._tied = [embedding]  # a list: not a submodule
         method = embedding.method
         # the embedding keeps reading the plain weight: pack a copy, keep the original
-        self.method = UnquantizedLinearMethod(keep_plain=True) if isinstance(method, UnquantizedLinearMethod) else method
+        dense = isinstance(method, UnquantizedLinearMethod)
+        self.method = UnquantizedLinearMethod(keep_plain=True) if dense else method
 
     def process_weights_after_loading(self) -> None:
+        if self._tied and not isinstance(self.method, UnquantizedLinearMethod):
+            embedding = self._tied[0]  # processed already (it comes first): share its packed weight
+            self.weight = embedding.weight
+            for name, value in vars(embedding).items():
+                if name.startswith("q_"):
+                    setattr(self, name, value)
+            return
         self.method.process_weights_after_loading(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,8 @@ import logging
 import torch
 from tqdm import tqdm
 
-from tokenmill.model.loader import gguf_loader, hf_loader
 from tokenmill.model.layers.quantization.base import QuantConfig
+from tokenmill.model.loader import gguf_loader, hf_loader
 from tokenmill.model.loader.source import ModelSource, resolve_model
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.model.registry import get_model_class

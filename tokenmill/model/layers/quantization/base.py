@@ -23,7 +23,7 @@ class LinearMethod(ABC):
                        device) -> None:
         """Register `layer.weight` (an nn.Parameter with a `weight_loader(param, loaded, shard_id)`)."""
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook)
         """Repack, quantize or drop what loading left behind; called once, after the last tensor."""
 
     @abstractmethod

@@ -67,6 +67,14 @@ class PackedLinearMethod(LinearMethod):
         return load
 
     def process_weights_after_loading(self, layer) -> None:
+        """GGUF rows -> the kernels' x8 layout (rows interleaved by 8, same size): one new flat tensor."""
+        flat = layer.weight.data
+        parts = [self.ops.repack(flat[a:b], qt, n, layer.q_in)
+                 for a, b, qt, n in zip(layer.q_offsets, layer.q_offsets[1:], self.qtypes, layer.q_rows)]
+        sizes = [p.numel() for p in parts]
+        layer.q_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        layer.weight = nn.Parameter(torch.cat(parts) if len(parts) > 1 else parts[0], requires_grad=False)
+        layer.q_views = None
         self.shard_views(layer)
 
     @staticmethod

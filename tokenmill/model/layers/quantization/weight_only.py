@@ -67,6 +67,5 @@ class QuantizeAtLoadMethod(PackedLinearMethod):
         layer.q_rows = [dense.shape[0]]
         layer.q_in = dense.shape[1]
         layer.q_offsets = [0, packed.numel()]
-        layer.q_views = None
         layer.weight = nn.Parameter(packed.reshape(-1), requires_grad=False)
-        self.shard_views(layer)
+        super().process_weights_after_loading(layer)

@@ -1,0 +1,201 @@
+// The "x8" layout the packed kernels read: each format's bits and scales, unchanged in size, with
+// rows interleaved in groups of 8 so that one SIMD lane holds one output row. A dot product then
+// needs no horizontal sums or scale broadcasts: the 8 rows' scales are one 16-byte load.
+//
+// A weight [N, K] becomes ceil(N/8) groups (the last one zero-padded); a group is
+//   [group head] then K/QK blocks of [block head][QK/32 chunk bodies].
+// A chunk body holds 8 rows x 32 weights. Its low 4 bits (or all 8) form four 64-byte vectors
+// U0..U3 of 16 int32 lanes: lane L = (g % 2) * 8 + r holds weights 4g..4g+3 of row r, with
+// U0: g = 0,1  U1: g = 2,3  U2: g = 4,5  U3: g = 6,7   (U0, U1: weights 0-15; U2, U3: 16-31).
+// 4-bit formats store U0 | U2 << 4 then U1 | U3 << 4 (128 bytes); bit 4 (5-bit formats) and bit 5
+// (Q6_K) follow as one 64-bit mask per vector (byte i of Uk has the bit iff mask bit i is set).
+// 8-bit formats store U0..U3 as they are (256 bytes).
+// Heads (fp16 unless said): Q4_0, Q5_0, Q8_0: d[8]; Q4_1, Q5_1, I4_G128: d[8], m[8];
+// Q4_K, Q5_K: d[8], dmin[8], then per chunk k the 6-bit scale sc[k][8] and min m[k][8] as bytes;
+// Q6_K: d[8], then int8 scales sc[h][8] for the 16 halves h; I8_ROW: group head of 8 float scales.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "quant_blocks.h"
+
+namespace tmq {
+
+struct X8Geom {
+  int qk, group_head, block_head, body;
+  int bits;        // 4, 5, 6 or 8
+  int sym;         // zero point c of a symmetric format (w = d (u - c)); 0 for asymmetric or signed
+  bool two_scales; // a scale per 16 weights (Q6_K)
+  bool kquant;     // Q4_K / Q5_K head
+};
+
+inline X8Geom x8_geom(int qtype) {
+  switch (qtype) {
+    case Q4_0: return {32, 0, 16, 128, 4, 8, false, false};
+    case Q4_1: return {32, 0, 32, 128, 4, 0, false, false};
+    case Q5_0: return {32, 0, 16, 160, 5, 16, false, false};
+    case Q5_1: return {32, 0, 32, 160, 5, 0, false, false};
+    case Q8_0: return {32, 0, 16, 256, 8, 0, false, false};
+    case I8_ROW: return {32, 32, 0, 256, 8, 0, false, false};
+    case I4_G128: return {128, 0, 32, 128, 4, 0, false, false};
+    case Q4_K: return {256, 0, 160, 128, 4, 0, false, true};
+    case Q5_K: return {256, 0, 160, 160, 5, 0, false, true};
+    case Q6_K: return {256, 0, 144, 192, 6, 32, true, false};
+    default: return {0, 0, 0, 0, 0, 0, false, false};
+  }
+}
+
+inline int64_t x8_group_bytes(int qtype, int64_t K) {
+  const X8Geom g = x8_geom(qtype);
+  return g.group_head + K / g.qk * (g.block_head + g.qk / 32 * g.body);
+}
+
+inline bool x8_signed(int qtype) { return qtype == Q8_0 || qtype == I8_ROW; }
+
+// Where weight e (0..31) of row r of a chunk lives: vector k, byte index i inside it.
+inline void x8_slot(int r, int e, int& k, int& i) {
+  const int g = e >> 2;
+  k = g >> 1;
+  i = ((g & 1) * 8 + r) * 4 + (e & 3);
+}
+
+// Per-row scale data of a chunk, decoded from the heads (scalar).
+struct X8Scales {
+  float d[8][2];    // per row, per half
+  float off[8][2];  // w = d * u + off
+};
+
+inline const uint8_t* x8_block(const uint8_t* group, const X8Geom& g, int64_t b) {
+  return group + g.group_head + b * (g.block_head + g.qk / 32 * g.body);
+}
+
+inline void x8_chunk_scales(int qtype, const uint8_t* group, const X8Geom& g, int64_t c, X8Scales& s) {
+  const int cpb = g.qk / 32;
+  const uint8_t* h = x8_block(group, g, c / cpb);
+  const int k = static_cast<int>(c % cpb);
+  for (int r = 0; r < 8; ++r) {
+    float d0, d1, o0, o1;
+    switch (qtype) {
+      case Q4_0: case Q5_0: case Q8_0: {
+        d0 = d1 = ld_half(h + 2 * r);
+        o0 = o1 = -static_cast<float>(g.sym) * d0;
+        break;
+      }
+      case Q4_1: case Q5_1: case I4_G128:
+        d0 = d1 = ld_half(h + 2 * r);
+        o0 = o1 = ld_half(h + 16 + 2 * r);
+        break;
+      case I8_ROW: {
+        float v;
+        std::memcpy(&v, group + 4 * r, 4);
+        d0 = d1 = v;
+        o0 = o1 = 0.f;
+        break;
+      }
+      case Q4_K: case Q5_K:
+        d0 = d1 = ld_half(h + 2 * r) * h[32 + 8 * k + r];
+        o0 = o1 = -ld_half(h + 16 + 2 * r) * h[96 + 8 * k + r];
+        break;
+      default: {  // Q6_K
+        const float d = ld_half(h + 2 * r);
+        d0 = d * static_cast<int8_t>(h[16 + 8 * (2 * k) + r]);
+        d1 = d * static_cast<int8_t>(h[16 + 8 * (2 * k + 1) + r]);
+        o0 = -32.f * d0;
+        o1 = -32.f * d1;
+      }
+    }
+    s.d[r][0] = d0;
+    s.d[r][1] = d1;
+    s.off[r][0] = o0;
+    s.off[r][1] = o1;
+  }
+}
+
+// The 8 x 32 quant values of a chunk (raw int8 for signed formats), scalar.
+inline void x8_chunk_bytes(const uint8_t* body, const X8Geom& g, uint8_t u[8][32]) {
+  for (int r = 0; r < 8; ++r) {
+    for (int e = 0; e < 32; ++e) {
+      int k, i;
+      x8_slot(r, e, k, i);
+      uint8_t v;
+      if (g.bits == 8) {
+        v = body[k * 64 + i];
+      } else {
+        v = (body[(k & 1) * 64 + i] >> ((k >> 1) * 4)) & 0xF;
+        uint64_t m;
+        if (g.bits >= 5) {
+          std::memcpy(&m, body + 128 + 8 * k, 8);
+          v |= ((m >> i) & 1) << 4;
+        }
+        if (g.bits == 6) {
+          std::memcpy(&m, body + 160 + 8 * k, 8);
+          v |= ((m >> i) & 1) << 5;
+        }
+      }
+      u[r][e] = v;
+    }
+  }
+}
+
+// GGUF (or tokenmill's row formats) -> x8. rows: N rows of `rb` bytes; out: ceil(N/8) groups.
+template <typename F>
+void x8_repack_group(const uint8_t* rows, int64_t rb, int64_t N, int64_t K, int qtype, int64_t gi, uint8_t* out) {
+  const X8Geom g = x8_geom(qtype);
+  const int64_t gb = x8_group_bytes(qtype, K);
+  uint8_t* grp = out + gi * gb;
+  std::memset(grp, 0, gb);
+  const int cpb = g.qk / 32;
+  for (int r = 0; r < 8; ++r) {
+    const int64_t n = gi * 8 + r;
+    if (n >= N) break;
+    const uint8_t* row = rows + n * rb;
+    if (qtype == I8_ROW) std::memcpy(grp + 4 * r, row, 4);
+    for (int64_t b = 0; b < K / g.qk; ++b) {
+      uint8_t* h = grp + g.group_head + b * (g.block_head + cpb * g.body);
+      const uint8_t* src = row + F::HEAD + b * F::BYTES;  // the GGUF block
+      switch (qtype) {
+        case Q4_0: case Q5_0: case Q8_0:
+          std::memcpy(h + 2 * r, src, 2);
+          break;
+        case Q4_1: case Q5_1: case I4_G128:
+          std::memcpy(h + 2 * r, src, 2);
+          std::memcpy(h + 16 + 2 * r, src + 2, 2);
+          break;
+        case Q4_K: case Q5_K:
+          std::memcpy(h + 2 * r, src, 2);
+          std::memcpy(h + 16 + 2 * r, src + 2, 2);
+          for (int k = 0; k < 8; ++k) {
+            int sc, m;
+            scale_min_k4(k, src + 4, sc, m);
+            h[32 + 8 * k + r] = static_cast<uint8_t>(sc);
+            h[96 + 8 * k + r] = static_cast<uint8_t>(m);
+          }
+          break;
+        case Q6_K:
+          std::memcpy(h + 2 * r, src + 208, 2);
+          for (int j = 0; j < 16; ++j) h[16 + 8 * j + r] = src[192 + j];
+          break;
+        default: break;
+      }
+      for (int k = 0; k < cpb; ++k) {
+        uint8_t u[32];
+        F::bytes(row, static_cast<int>(b * cpb + k), u);
+        uint8_t* body = h + g.block_head + k * g.body;
+        for (int e = 0; e < 32; ++e) {
+          int v, i;
+          x8_slot(r, e, v, i);
+          if (g.bits == 8) {
+            body[v * 64 + i] = u[e];
+            continue;
+          }
+          body[(v & 1) * 64 + i] |= static_cast<uint8_t>((u[e] & 0xF) << ((v >> 1) * 4));
+          if (g.bits >= 5 && (u[e] & 0x10)) body[128 + 8 * v + i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+          if (g.bits == 6 && (u[e] & 0x20)) body[160 + 8 * v + i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace tmq
