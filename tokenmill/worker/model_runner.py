@@ -34,8 +34,17 @@ class ModelRunner:
         # fault injection for testing the engine's error handling (TOKENMILL_DEBUG_FAIL_ON_TOKEN)
         self.fail_on_token = fail_on_token
 
-    def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                          storage: torch.dtype | None = None) -> None:
         layers = self.model.kv_caches()
+        if storage is not None:  # int8 / fp8 (+ scales), or bf16 under an fp32 model
+            from tokenmill.model.attention.quant_kv import allocate
+
+            caches = allocate(len(layers), num_blocks, self.block_size, num_kv_heads, head_dim, storage, self.device)
+            self.kv_cache = caches[0].data  # keeps the pool alive (each layer's cache is a view of it)
+            for layer, cache in zip(layers, caches):
+                layer.kv_cache = cache
+            return
         # zeros, not empty: masked-out slots are still read, and garbage NaNs would poison softmax
         self.kv_cache = torch.zeros(len(layers), 2, num_blocks, self.block_size, num_kv_heads, head_dim,
                                     dtype=dtype, device=self.device)

@@ -13,10 +13,12 @@ import torch
 from tokenmill.config import EngineConfig, available_memory_bytes
 from tokenmill.errors import ConfigError
 from tokenmill.model.attention import get_attention_backend
+from tokenmill.model.attention.quant_kv import bytes_per_token_head, storage_dtype
 from tokenmill.model.layers.batch_invariance import ROW_TILE, verify_row_invariance
 from tokenmill.model.layers.quantization import make_quant_config, resolve_quantization
 from tokenmill.model.loader import ModelSource, build_model, load_tokenizer
 from tokenmill.model.model_config import ModelConfig
+from tokenmill.model.quant_kernels import quant_kernels_available
 from tokenmill.structured_output.params import GrammarSpec
 from tokenmill.worker.cpu_env import configure_cpu
 from tokenmill.worker.kv_budget import kv_cache_budget, kv_capacity, resolve_max_model_len
@@ -71,9 +73,13 @@ class Worker:
                                   self.device, config.model.seed, fail_on_token=int(fail_on) if fail_on else None,
                                   grammars=self.prepare_grammar)
         self._grammar_compiler = None
+        self.kv_storage = storage_dtype(config.cache.kv_cache_dtype, self.dtype)
+        if self.kv_storage is not None and (self.backend.name != "cpu_paged" or not quant_kernels_available()):
+            raise ConfigError(f"kv_cache_dtype={config.cache.kv_cache_dtype} is read by the cpu_paged backend's "
+                              f"kernels; the {self.backend.name} backend cannot read it", param="kv_cache_dtype")
         self.num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_blocks, model_config.num_key_value_heads,
-                                      model_config.head_dim, self.dtype)
+                                      model_config.head_dim, self.dtype, self.kv_storage)
 
     def prepare_grammar(self, spec: GrammarSpec) -> Future:
         """Compiles a structured-output grammar for this model's vocabulary on a background thread
@@ -90,7 +96,9 @@ class Worker:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.model_config.kv_bytes_per_token * self.dtype.itemsize
+        m = self.model_config
+        return 2 * m.num_hidden_layers * m.num_key_value_heads * bytes_per_token_head(self.kv_storage, self.dtype,
+                                                                                     m.head_dim)
 
     def _kv_budget(self) -> int:
         total = free = None
@@ -101,8 +109,9 @@ class Worker:
     def _num_kv_blocks(self) -> int:
         kv = kv_capacity(self._kv_budget(), self.kv_bytes_per_token, self.config.cache.block_size,
                          self.max_model_len)
-        logger.info("KV cache: %.1f MiB budget, %d bytes/token, %d blocks of %d tokens (%d tokens); "
-                    "max concurrency at max_model_len=%d: %.1fx", kv.budget / 2**20, kv.bytes_per_token,
+        kv_dtype = str(self.kv_storage or self.dtype).removeprefix("torch.")
+        logger.info("KV cache: %.1f MiB budget, %s (%d bytes/token), %d blocks of %d tokens (%d tokens); "
+                    "max concurrency at max_model_len=%d: %.1fx", kv.budget / 2**20, kv_dtype, kv.bytes_per_token,
                     kv.num_blocks, kv.block_size, kv.num_tokens, self.max_model_len,
                     kv.num_tokens / self.max_model_len)
         return kv.num_blocks

@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill.model.attention.backend import BatchLayout
+from tokenmill.model.attention.quant_kv import QuantizedKVCache, gather_dequantized
 from tokenmill.model.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend, padded_block_table
 
 
@@ -49,3 +51,39 @@ class CPUPagedBackend(TorchSDPABackend):
         nd = meta.num_decodes
         torch.ops.tokenmill.paged_decode_attention(out[:nd], q[:nd].contiguous(), k_cache, v_cache,
                                                    meta.decodes.tables, meta.decodes.seq_lens, scale)
+
+    def forward(self, q, k, v, kv_cache, meta: SDPAMetadata, scale: float) -> torch.Tensor:
+        if not isinstance(kv_cache, QuantizedKVCache):
+            return super().forward(q, k, v, kv_cache, meta, scale)
+        return self._forward_quantized(q, k, v, kv_cache, meta, scale)
+
+    def _forward_quantized(self, q, k, v, cache: QuantizedKVCache, meta: SDPAMetadata, scale: float) -> torch.Tensor:
+        """As the parent's forward, on a cache in another dtype (quant_kv.py)."""
+        from tokenmill.model.quant_kernels import quant_ops
+
+        ops = quant_ops()
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k.shape[1]
+        if cache.scale.numel():
+            ops.kv_write_quant(k, v, cache.data[0], cache.data[1], cache.scale[0], cache.scale[1], meta.slot_mapping)
+        else:
+            for i, x in enumerate((k, v)):
+                cache.data[i].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, x.to(cache.data.dtype))
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        nd = meta.num_decodes
+        if nd:
+            ops.paged_decode_attention_q(out[:nd], q[:nd].contiguous(), cache.data[0], cache.data[1], cache.scale[0],
+                                         cache.scale[1], meta.decodes.tables, meta.decodes.seq_lens, scale)
+        gqa = num_heads != num_kv_heads
+        for p in meta.prefills:
+            qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            if p.block_ids is None:  # fresh chunk: its own K/V, as computed
+                kp, vp, mask = k[p.start:p.end], v[p.start:p.end], None
+            else:
+                kp = gather_dequantized(cache, 0, p.block_ids, q.dtype)[:p.ctx_len]
+                vp = gather_dequantized(cache, 1, p.block_ids, q.dtype)[:p.ctx_len]
+                mask = p.mask
+            op = F.scaled_dot_product_attention(qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                                                attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
+            out[p.start:p.end] = op.squeeze(0).transpose(0, 1)
+        return out.view(num_tokens, num_heads * head_dim)

@@ -372,8 +372,9 @@ std::vector<Shard> make_shards(const std::vector<at::Tensor>& weights, at::IntAr
   return shards;
 }
 
-template <typename TX>
-void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& shards, float* out, int64_t ldo) {
+template <typename TX, typename TO>
+void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& shards, TO* out, int64_t ldo,
+                  const float* bias) {
   const int64_t arb = act_row_bytes(K);
   std::vector<uint8_t> act(M * arb + 64);
   uint8_t* abase = act.data() + (64 - reinterpret_cast<uintptr_t>(act.data()) % 64) % 64;
@@ -405,8 +406,10 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
             case 2: group_dot<QT, 2>(group, g, K, &rows[m0], res); break;
             default: group_dot<QT, 1>(group, g, K, &rows[m0], res); break;
           }
+          const int64_t col = sh.first + gi * 8;
           for (int64_t m = 0; m < mr; ++m)
-            for (int r = 0; r < nr; ++r) out[(m0 + m) * ldo + sh.first + gi * 8 + r] = res[m][r];
+            for (int r = 0; r < nr; ++r)
+              out[(m0 + m) * ldo + col + r] = static_cast<TO>(res[m][r] + (bias ? bias[col + r] : 0.f));
         }
       });
     }
@@ -448,12 +451,22 @@ void qlinear(at::Tensor out, const at::Tensor& x, std::vector<at::Tensor> weight
     if (bias) out.add_(*bias);
     return;
   }
-  const bool direct = out.scalar_type() == at::kFloat;
-  at::Tensor acc = direct ? out : at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (x.scalar_type() == at::kFloat) qgemm_native(x.data_ptr<float>(), M, K, shards, acc.data_ptr<float>(), N);
-  else qgemm_native(x.data_ptr<at::BFloat16>(), M, K, shards, acc.data_ptr<float>(), N);
-  if (bias) acc.add_(*bias);
-  if (!direct) out.copy_(acc);
+  at::Tensor bias_f;
+  if (bias) {
+    TORCH_CHECK(bias->numel() == N, "qlinear: bias must have ", N, " elements");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = bias ? bias_f.data_ptr<float>() : nullptr;
+  auto run = [&](auto xtag) {
+    using TX = decltype(xtag);
+    switch (out.scalar_type()) {
+      case at::kFloat: qgemm_native(x.data_ptr<TX>(), M, K, shards, out.data_ptr<float>(), N, bp); break;
+      case at::kBFloat16: qgemm_native(x.data_ptr<TX>(), M, K, shards, out.data_ptr<at::BFloat16>(), N, bp); break;
+      default: TORCH_CHECK(false, "qlinear: out must be float or bf16");
+    }
+  };
+  if (x.scalar_type() == at::kFloat) run(float{});
+  else run(at::BFloat16{});
 }
 
 // GGUF rows [N, rb] -> x8 groups

@@ -91,7 +91,10 @@ def _build_cache(path: Path, target: Path) -> None:
     import gguf
     from transformers import AutoTokenizer
 
-    reader = gguf.GGUFReader(str(path))
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError) as e:  # gguf-py maps tensors past the end of a short file
+        raise ConfigError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}): truncated or corrupt?") from e
     tensors = {}
     for t in reader.tensors:
         tensors[t.name] = {"type": int(t.tensor_type), "offset": int(t.data_offset),

@@ -48,6 +48,7 @@ class PackedLinearMethod(LinearMethod):
                                   f"{BY_ID[qt].block}, got {in_features}")
         sizes = [n * row_bytes(qt, in_features) for n, qt in zip(shard_sizes, self.qtypes)]
         layer.q_rows = list(shard_sizes)
+        layer.q_out = sum(shard_sizes)
         layer.q_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         layer.q_in = in_features
         layer.weight = nn.Parameter(torch.empty(layer.q_offsets[-1], dtype=torch.uint8, device=device),
@@ -79,16 +80,16 @@ class PackedLinearMethod(LinearMethod):
 
     @staticmethod
     def shard_views(layer) -> list[torch.Tensor]:
-        if layer.q_views is None or layer.q_views[0].data_ptr() != layer.weight.data_ptr():
-            flat = layer.weight.data
-            layer.q_views = [flat[a:b] for a, b in zip(layer.q_offsets, layer.q_offsets[1:])]
+        flat = layer.weight.data
+        layer.q_views = [flat[a:b] for a, b in zip(layer.q_offsets, layer.q_offsets[1:])]
         return layer.q_views
 
     def apply(self, layer, x, bias, out_dtype=None):
-        x = x.contiguous()
-        out = torch.empty(x.shape[0], sum(layer.q_rows), dtype=out_dtype or x.dtype, device=x.device)
-        dense = 0 if getattr(layer, "row_tile", None) is not None else self.dense_min_rows
-        self.ops.qlinear(out, x, self.shard_views(layer), self.qtypes, layer.q_rows, bias, dense)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], layer.q_out, dtype=out_dtype or x.dtype)
+        dense = 0 if layer.row_tile is not None else self.dense_min_rows
+        self.ops.qlinear(out, x, layer.q_views, self.qtypes, layer.q_rows, bias, dense)
         return out
 
     def embed(self, layer, ids, dtype):

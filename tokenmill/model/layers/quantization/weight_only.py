@@ -65,6 +65,7 @@ class QuantizeAtLoadMethod(PackedLinearMethod):
         else:
             packed = quantize_q4_groups(dense, FORMATS["Q4_1"].block if self.qtypes[0] == FORMATS["Q4_1"].id else 128)
         layer.q_rows = [dense.shape[0]]
+        layer.q_out = dense.shape[0]
         layer.q_in = dense.shape[1]
         layer.q_offsets = [0, packed.numel()]
         layer.weight = nn.Parameter(packed.reshape(-1), requires_grad=False)

@@ -1,0 +1,81 @@
+"""Quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3 / bfloat16): the write and decode kernels
+against SDPA on what is stored, per ISA variant, and through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import ConfigError
+from tokenmill.model.quant_kernels import quant_kernels_available, quant_ops, supported_variants
+
+pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ toolchain")
+STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+@pytest.mark.parametrize("variant", supported_variants())
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_cache_write_and_decode(variant, kind, dtype):
+    torch.manual_seed(0)
+    ops = quant_ops(variant)
+    nb, bs, hkv, heads, d, lens = 32, 16, 2, 6, 64, [1, 7, 33, 120]
+    data = torch.zeros(2, nb, bs, hkv, d, dtype=STORAGE[kind])
+    scale = torch.zeros(2, nb, bs, hkv)
+    tables = torch.stack([torch.randperm(nb)[:8] for _ in lens])
+    ks, vs = [], []
+    for i, n in enumerate(lens):  # write every sequence's K/V, one token row per slot
+        k = (torch.randn(n, hkv, d) * 3).to(dtype)
+        v = torch.randn(n, hkv, d).to(dtype)
+        k[0] = 0  # an all-zero head: scale 0, no NaN
+        p = torch.arange(n)
+        slots = tables[i][p // bs] * bs + p % bs
+        ops.kv_write_quant(k, v, data[0], data[1], scale[0], scale[1], slots)
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    out = torch.empty_like(q)
+    ops.paged_decode_attention_q(out, q, data[0], data[1], scale[0], scale[1], tables, torch.tensor(lens), 0.125)
+    for i, n in enumerate(lens):
+        p = torch.arange(n)
+        slots = tables[i][p // bs] * bs + p % bs
+        stored = [data[j].view(-1, hkv, d)[slots].float() * scale[j].view(-1, hkv)[slots, :, None] for j in (0, 1)]
+        # what the kernel reads back is within the format's rounding of what was written
+        rel = 0.5 / 127 if kind == "int8" else 2**-4
+        for j, x in enumerate((ks[i], vs[i])):
+            amax = x.float().abs().amax(-1, keepdim=True)
+            assert ((stored[j] - x.float()).abs() <= rel * amax + 1e-6).all()
+        ref = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), stored[0].transpose(0, 1),
+                                             stored[1].transpose(0, 1), scale=0.125, enable_gqa=True).squeeze(1)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
+
+
+def test_int8_cache_halves_the_bytes_and_generates():
+    kw = dict(dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512, progress=False)
+    plain = LLM(**kw)
+    llm = LLM(kv_cache_dtype="int8", **kw)
+    w, w0 = llm.engine.core.worker, plain.engine.core.worker
+    assert w.kv_bytes_per_token < 0.54 * w0.kv_bytes_per_token  # 64 + 4 bytes per head and token vs 128
+    assert w.num_blocks > 1.8 * w0.num_blocks  # the same budget holds ~twice the tokens
+    params = SamplingParams(temperature=0, max_tokens=24)
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    got = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+    assert got.startswith(" Berlin"), got
+
+
+def test_bfloat16_cache_under_an_fp32_model():
+    llm = LLM(dtype="float32", quantization="none", kv_cache_dtype="bfloat16", kv_cache_memory="64MiB",
+              max_model_len=512, max_num_batched_tokens=16, progress=False)
+    assert llm.engine.core.worker.kv_storage == torch.bfloat16
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert out[0].outputs[0].text.startswith(" Paris")
+
+
+def test_quantized_cache_needs_a_backend_that_reads_it():
+    with pytest.raises(ConfigError, match="torch_sdpa backend cannot read it"):
+        LLM(kv_cache_dtype="int8", attention_backend="torch_sdpa", progress=False)
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        LLM(kv_cache_dtype="int4", progress=False)
