@@ -49,6 +49,7 @@ def hf_folder(model: str) -> Path:
         save_file(tensors, str(out / "model.safetensors"))
         cfg = m.config.to_dict()
         cfg.pop("quantization_config", None)
+        cfg["architectures"] = [type(m).__name__]
         (out / "config.json").write_text(json.dumps(cfg))
         AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(out))
     return out
