@@ -59,8 +59,8 @@ def main() -> None:
         for m in map(int, args.rows.split(",")):
             x = torch.randn(m, k).bfloat16()
             out = torch.empty(m, n, dtype=torch.bfloat16)
-            a = timeit(partial(ops.qlinear, out, x, [w], [qt], [n], None, 0))
-            b = timeit(partial(ops.qlinear, out, x, [w], [qt], [n], None, 1))
+            a = timeit(partial(ops.qlinear, out, x, [w], [qt], [n], None, 0, 16))
+            b = timeit(partial(ops.qlinear, out, x, [w], [qt], [n], None, 1, 16))
             c = timeit(partial(torch.ops.mkldnn._linear_pointwise, x, packed_bf16, None, "none", [], ""))
             if crossover is None and b < a:
                 crossover = m

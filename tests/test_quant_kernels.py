@@ -34,12 +34,17 @@ def _k(name, w):
     return (w.shape[1] - f.row_head) // f.bytes * f.block
 
 
-def _quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """What the kernel multiplies: x rounded to int8 in blocks of 32 (scale amax / 127), as floats."""
+def _quantize_activations(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """What the kernel multiplies: x rounded to int8 in blocks of 32 (scale amax / 127), plus with 16
+    bits the rounding residual in 1/256 steps, as floats."""
     xb = x.float().view(x.shape[0], -1, 32)
     amax = xb.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
-    return (torch.round(xb * inv) * (amax / 127.0)).view_as(x.float())
+    y = xb * inv
+    q = torch.round(y)
+    if bits == 16:
+        q = q + torch.round((y - q) * 256).clamp(-127, 127) / 256
+    return (q * (amax / 127.0)).view_as(x.float())
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -57,7 +62,8 @@ def test_dequantize_matches_reference(variant, name):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", GGUF_TYPES + OWN_TYPES)
 @pytest.mark.parametrize("m", [1, 3, 4, 7])
-def test_packed_matmul_matches_dequantized(variant, name, m):
+@pytest.mark.parametrize("bits", [8, 16])
+def test_packed_matmul_matches_dequantized(variant, name, m, bits):
     rows, k = 45, 768  # 45: a last group of 5 rows
     rng = np.random.default_rng(m)
     w = random_blocks(name, rows, k, rng)
@@ -65,15 +71,17 @@ def test_packed_matmul_matches_dequantized(variant, name, m):
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)) * torch.tensor([1.0, 0.0, 1e3, 1e-3, 1, 1, 1])[
         :m, None]
     out = torch.empty(m, rows)
-    quant_ops(variant).qlinear(out, x, [_packed(variant, name, w)], [FORMATS[name].id], [rows], None, 0)
+    quant_ops(variant).qlinear(out, x, [_packed(variant, name, w)], [FORMATS[name].id], [rows], None, 0, bits)
     # exact arithmetic on what the kernel multiplies (int8 activations): fp32 rounding apart
-    ref = (_quantize_activations(x).double() @ deq.T)
-    scale = (_quantize_activations(x).double().abs() @ deq.abs().T) + 1e-30
+    xq = _quantize_activations(x, bits).double()
+    ref = xq @ deq.T
+    scale = (xq.abs() @ deq.abs().T) + 1e-30
     assert ((out.double() - ref).abs() / scale).max() < 1e-5
     # against the fp32 activations: rounding x to int8 moves each product by at most 0.4% of its
     # block's largest |x| (~1e-4 of sum |x| |w| in a typical row, ~2e-3 where one block dominates)
     exact = x.double() @ deq.T
-    assert ((out.double() - exact).abs() / (x.double().abs() @ deq.abs().T + 1e-30)).max() < 1e-2
+    err = ((out.double() - exact).abs() / (x.double().abs() @ deq.abs().T + 1e-30)).max()
+    assert err < (1e-2 if bits == 8 else 1e-4)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

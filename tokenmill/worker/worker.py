@@ -51,7 +51,8 @@ class Worker:
                                              model_config.head_dim)
         q = config.quant
         self.quantization = resolve_quantization(q.quantization, source.kind, self.device)
-        quant_config = make_quant_config(self.quantization, source, q.quant_group_size, q.quant_dense_min_rows)
+        quant_config = make_quant_config(self.quantization, source, q.quant_group_size, q.quant_dense_min_rows,
+                                         q.quant_act_bits)
         self.model = build_model(source, model_config, self.backend, self.max_model_len, self.dtype,
                                  self.device, progress=progress, quant_config=quant_config)
         self.weight_bytes = self.model.weight_bytes

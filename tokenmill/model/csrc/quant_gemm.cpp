@@ -39,9 +39,11 @@ constexpr bool kZmm = true;
 constexpr bool kZmm = false;
 #endif
 
-// One quantized activation row: xq[K] int8 (|xq| <= 127); per chunk c of 32: dx[c], and
-// dx * sum(xq) over the chunk (s[c]) and its halves (sa[c], sb[c]); with AVX-512, xp[c][k] is the
-// 64-byte vector that meets Uk (its groups 2k, 2k+1 each broadcast to 8 lanes).
+// One quantized activation row: x ~ dx * xq per chunk c of 32, xq[K] int8 (|xq| <= 127), or with
+// `fine` activations x ~ dx * (xq + xr / 256) (a second int8 for the rounding residual: ~16-bit
+// precision for twice the dot products). Per chunk: dx[c], and dx * sum(xq (+ xr / 256)) over the
+// chunk (s[c]) and its halves (sa[c], sb[c]). With AVX-512, xp[c][k] is the 64-byte vector that
+// meets Uk (its groups 2k, 2k+1 each broadcast to 8 lanes), and xpr the same of xr.
 struct ActRow {
   const int8_t* q;
   const float* dx;
@@ -49,22 +51,41 @@ struct ActRow {
   const float* sa;
   const float* sb;
   const uint8_t* xp;
+  const int8_t* qr;
+  const uint8_t* xpr;
 };
 
-inline int64_t act_row_bytes(int64_t K) { return K + K / 32 * 16 + (kZmm ? K / 32 * 256 : 0); }
+inline int64_t act_part_bytes(int64_t K) { return K + (kZmm ? K / 32 * 256 : 0); }
+inline int64_t act_row_bytes(int64_t K) { return K / 32 * 16 + 2 * act_part_bytes(K); }
 
 inline ActRow act_row(const uint8_t* base, int64_t K) {
-  const int64_t C = K / 32;
-  const float* f = reinterpret_cast<const float*>(base + K);
-  return {reinterpret_cast<const int8_t*>(base), f, f + C, f + 2 * C, f + 3 * C, base + K + C * 16};
+  const int64_t C = K / 32, P = act_part_bytes(K);
+  const float* f = reinterpret_cast<const float*>(base);
+  const uint8_t* q = base + C * 16;
+  return {reinterpret_cast<const int8_t*>(q), f, f + C, f + 2 * C, f + 3 * C, q + K,
+          reinterpret_cast<const int8_t*>(q + P), q + P + K};
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline void prepare_x(const int8_t* q, int64_t C, uint8_t* xp) {
+  for (int64_t c = 0; c < C; ++c) {
+    const __m512i xc = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32)));
+    for (int k = 0; k < 4; ++k) {
+      const __m512i idx = _mm512_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
+                                           2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k);
+      _mm512_storeu_si512(xp + (c * 4 + k) * 64, _mm512_permutexvar_epi32(idx, xc));
+    }
+  }
+}
+#endif
+
 template <typename T>
-void quantize_row(const T* x, int64_t K, uint8_t* dst) {
+void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine) {
   const int64_t C = K / 32;
-  int8_t* q = reinterpret_cast<int8_t*>(dst);
-  float* dx = reinterpret_cast<float*>(dst + K);
+  float* dx = reinterpret_cast<float*>(dst);
   float *s = dx + C, *sa = dx + 2 * C, *sb = dx + 3 * C;
+  int8_t* q = reinterpret_cast<int8_t*>(dst + C * 16);
+  int8_t* qr = reinterpret_cast<int8_t*>(dst + C * 16 + act_part_bytes(K));
   float xf[32];
   for (int64_t c = 0; c < C; ++c) {
     float amax = 0.f;
@@ -74,27 +95,26 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst) {
     }
     const float scale = amax / 127.f;
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int s0 = 0, s1 = 0;
+    int s0 = 0, s1 = 0, r0 = 0, r1 = 0;
     for (int i = 0; i < 32; ++i) {
-      const int v = static_cast<int>(std::nearbyint(xf[i] * inv));  // |v| <= 127: never -128
+      const float y = xf[i] * inv;
+      const int v = static_cast<int>(std::nearbyint(y));  // |v| <= 127: never -128
       q[c * 32 + i] = static_cast<int8_t>(v);
       (i < 16 ? s0 : s1) += v;
+      if (fine) {
+        const int w = std::clamp(static_cast<int>(std::nearbyint((y - v) * 256.f)), -127, 127);
+        qr[c * 32 + i] = static_cast<int8_t>(w);
+        (i < 16 ? r0 : r1) += w;
+      }
     }
     dx[c] = scale;
-    sa[c] = scale * s0;
-    sb[c] = scale * s1;
-    s[c] = scale * (s0 + s1);
+    sa[c] = scale * (s0 + r0 / 256.f);
+    sb[c] = scale * (s1 + r1 / 256.f);
+    s[c] = sa[c] + sb[c];
   }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  uint8_t* xp = dst + K + C * 16;
-  for (int64_t c = 0; c < C; ++c) {
-    const __m512i xc = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32)));
-    for (int k = 0; k < 4; ++k) {
-      const __m512i idx = _mm512_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
-                                           2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k);
-      _mm512_storeu_si512(xp + (c * 4 + k) * 64, _mm512_permutexvar_epi32(idx, xc));
-    }
-  }
+  prepare_x(q, C, dst + C * 16 + K);
+  if (fine) prepare_x(qr, C, dst + C * 16 + act_part_bytes(K) + K);
 #endif
 }
 
@@ -183,7 +203,7 @@ template <int QT> constexpr int kBits = QT == Q8_0 || QT == I8_ROW ? 8 : QT == Q
 template <int QT> constexpr bool kSignedQ = QT == Q8_0 || QT == I8_ROW;
 
 // out[m][r] (m < MR, r < 8) = row r of a group . activation row m
-template <int QT, int MR>
+template <int QT, int MR, bool RES>
 void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a, float out[][8]) {
   const int64_t C = K / 32;
   const int cpb = g.qk / 32;
@@ -214,7 +234,7 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
       }
     }
     for (int m = 0; m < MR; ++m) {
-      const uint8_t* xp = a[m].xp + c * 256;
+      auto dots = [&](const uint8_t* xp, __m256i& oa, __m256i& ob) {
       auto dp = [&](__m512i acc_i, int j) {
         const __m512i x = _mm512_loadu_si512(xp + 64 * j);
         if constexpr (kVNNI) {
@@ -230,17 +250,25 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
       };
       auto fold = [](__m512i z) { return _mm256_add_epi32(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1)); };
       if constexpr (kTwo) {
-        ra[m] = fold(dp(dp(_mm512_setzero_si512(), 0), 1));
-        rb[m] = fold(dp(dp(_mm512_setzero_si512(), 2), 3));
+        oa = fold(dp(dp(_mm512_setzero_si512(), 0), 1));
+        ob = fold(dp(dp(_mm512_setzero_si512(), 2), 3));
       } else {
-        ra[m] = fold(dp(dp(dp(dp(_mm512_setzero_si512(), 0), 1), 2), 3));
+        oa = fold(dp(dp(dp(dp(_mm512_setzero_si512(), 0), 1), 2), 3));
+      }
+      };
+      dots(a[m].xp + c * 256, ra[m], rb[m]);
+      if constexpr (RES) {  // x = dx (xq + xr / 256): combine as 256 xq.u + xr.u (fits int32)
+        __m256i fa, fb;
+        dots(a[m].xpr + c * 256, fa, fb);
+        ra[m] = _mm256_add_epi32(_mm256_slli_epi32(ra[m], 8), fa);
+        if constexpr (kTwo) rb[m] = _mm256_add_epi32(_mm256_slli_epi32(rb[m], 8), fb);
       }
     }
 #else
     __m256i u[8];
     decode_ymm<kBits<QT>>(body, u);
     for (int m = 0; m < MR; ++m) {
-      const int8_t* xq = a[m].q + c * 32;
+      auto dots = [&](const int8_t* xq, __m256i& oa, __m256i& ob) {
       auto dp = [&](int j) {
         int32_t xg;
         std::memcpy(&xg, xq + 4 * j, 4);
@@ -255,15 +283,23 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
       const __m256i lo = _mm256_add_epi32(_mm256_add_epi32(dp(0), dp(1)), _mm256_add_epi32(dp(2), dp(3)));
       const __m256i hi = _mm256_add_epi32(_mm256_add_epi32(dp(4), dp(5)), _mm256_add_epi32(dp(6), dp(7)));
       if constexpr (kTwo) {
-        ra[m] = lo;
-        rb[m] = hi;
+        oa = lo;
+        ob = hi;
       } else {
-        ra[m] = _mm256_add_epi32(lo, hi);
+        oa = _mm256_add_epi32(lo, hi);
+      }
+      };
+      dots(a[m].q + c * 32, ra[m], rb[m]);
+      if constexpr (RES) {
+        __m256i fa, fb;
+        dots(a[m].qr + c * 32, fa, fb);
+        ra[m] = _mm256_add_epi32(_mm256_slli_epi32(ra[m], 8), fa);
+        if constexpr (kTwo) rb[m] = _mm256_add_epi32(_mm256_slli_epi32(rb[m], 8), fb);
       }
     }
 #endif
     for (int m = 0; m < MR; ++m) {
-      const __m256 dx = _mm256_set1_ps(a[m].dx[c]);
+      const __m256 dx = _mm256_set1_ps(RES ? a[m].dx[c] / 256.f : a[m].dx[c]);
       if constexpr (kTwo) {
         acc[m] = _mm256_fmadd_ps(v.da, _mm256_mul_ps(_mm256_cvtepi32_ps(ra[m]), dx), acc[m]);
         acc[m] = _mm256_fmadd_ps(v.db, _mm256_mul_ps(_mm256_cvtepi32_ps(rb[m]), dx), acc[m]);
@@ -287,13 +323,16 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
     for (int r = 0; r < 8; ++r) {
       for (int m = 0; m < MR; ++m) {
         const int8_t* x = a[m].q + c * 32;
+        const int8_t* xr = a[m].qr + c * 32;
         int d0 = 0, d1 = 0;
         for (int i = 0; i < 16; ++i) {
-          d0 += (kSignedQ<QT> ? static_cast<int8_t>(u[r][i]) : u[r][i]) * x[i];
-          d1 += (kSignedQ<QT> ? static_cast<int8_t>(u[r][i + 16]) : u[r][i + 16]) * x[i + 16];
+          const int w0 = kSignedQ<QT> ? static_cast<int8_t>(u[r][i]) : u[r][i];
+          const int w1 = kSignedQ<QT> ? static_cast<int8_t>(u[r][i + 16]) : u[r][i + 16];
+          d0 += w0 * (RES ? 256 * x[i] + xr[i] : x[i]);
+          d1 += w1 * (RES ? 256 * x[i + 16] + xr[i + 16] : x[i + 16]);
         }
-        acc[m][r] += a[m].dx[c] * (s.d[r][0] * d0 + s.d[r][1] * d1) + s.off[r][0] * a[m].sa[c] +
-                     s.off[r][1] * a[m].sb[c];
+        const float dx = RES ? a[m].dx[c] / 256.f : a[m].dx[c];
+        acc[m][r] += dx * (s.d[r][0] * d0 + s.d[r][1] * d1) + s.off[r][0] * a[m].sa[c] + s.off[r][1] * a[m].sb[c];
       }
     }
   }
@@ -374,12 +413,12 @@ std::vector<Shard> make_shards(const std::vector<at::Tensor>& weights, at::IntAr
 
 template <typename TX, typename TO>
 void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& shards, TO* out, int64_t ldo,
-                  const float* bias) {
+                  const float* bias, bool fine) {
   const int64_t arb = act_row_bytes(K);
   std::vector<uint8_t> act(M * arb + 64);
   uint8_t* abase = act.data() + (64 - reinterpret_cast<uintptr_t>(act.data()) % 64) % 64;
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) quantize_row(x + m * K, K, abase + m * arb);
+    for (int64_t m = b; m < e; ++m) quantize_row(x + m * K, K, abase + m * arb, fine);
   });
   std::vector<ActRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = act_row(abase + m * arb, K);
@@ -400,12 +439,17 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
           const int64_t mr = std::min<int64_t>(4, M - m0);
           float res[4][8];
-          switch (mr) {
-            case 4: group_dot<QT, 4>(group, g, K, &rows[m0], res); break;
-            case 3: group_dot<QT, 3>(group, g, K, &rows[m0], res); break;
-            case 2: group_dot<QT, 2>(group, g, K, &rows[m0], res); break;
-            default: group_dot<QT, 1>(group, g, K, &rows[m0], res); break;
-          }
+          auto run = [&](auto res_tag) {
+            constexpr bool R = decltype(res_tag)::value;
+            switch (mr) {
+              case 4: group_dot<QT, 4, R>(group, g, K, &rows[m0], res); break;
+              case 3: group_dot<QT, 3, R>(group, g, K, &rows[m0], res); break;
+              case 2: group_dot<QT, 2, R>(group, g, K, &rows[m0], res); break;
+              default: group_dot<QT, 1, R>(group, g, K, &rows[m0], res); break;
+            }
+          };
+          if (fine) run(std::true_type{});
+          else run(std::false_type{});
           const int64_t col = sh.first + gi * 8;
           for (int64_t m = 0; m < mr; ++m)
             for (int r = 0; r < nr; ++r)
@@ -427,7 +471,9 @@ void dequant_shard(const Shard& sh, int64_t K, int64_t r0, int64_t r1, T* dst) {
 // out: [M, N] (float, or x's dtype); x: [M, K] float or bf16. With M >= dense_min_rows > 0, W is
 // dequantized slab by slab and multiplied by the dense GEMM instead of the packed kernel.
 void qlinear(at::Tensor out, const at::Tensor& x, std::vector<at::Tensor> weights, at::IntArrayRef qtypes,
-             at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t dense_min_rows) {
+             at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t dense_min_rows, int64_t act_bits) {
+  TORCH_CHECK(act_bits == 8 || act_bits == 16, "qlinear: act_bits must be 8 or 16");
+  const bool fine = act_bits == 16;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(), "qlinear: layout");
   const int64_t M = x.size(0), K = x.size(1);
   const auto shards = make_shards(weights, qtypes, rows, K);
@@ -460,8 +506,8 @@ void qlinear(at::Tensor out, const at::Tensor& x, std::vector<at::Tensor> weight
   auto run = [&](auto xtag) {
     using TX = decltype(xtag);
     switch (out.scalar_type()) {
-      case at::kFloat: qgemm_native(x.data_ptr<TX>(), M, K, shards, out.data_ptr<float>(), N, bp); break;
-      case at::kBFloat16: qgemm_native(x.data_ptr<TX>(), M, K, shards, out.data_ptr<at::BFloat16>(), N, bp); break;
+      case at::kFloat: qgemm_native(x.data_ptr<TX>(), M, K, shards, out.data_ptr<float>(), N, bp, fine); break;
+      case at::kBFloat16: qgemm_native(x.data_ptr<TX>(), M, K, shards, out.data_ptr<at::BFloat16>(), N, bp, fine); break;
       default: TORCH_CHECK(false, "qlinear: out must be float or bf16");
     }
   };
@@ -537,7 +583,7 @@ std::string variant() {
 
 TM_LIBRARY(TM_QUANT_NS, m) {
   m.def("qlinear(Tensor(a!) out, Tensor x, Tensor[] weights, int[] qtypes, int[] rows, Tensor? bias, "
-        "int dense_min_rows) -> ()");
+        "int dense_min_rows, int act_bits=8) -> ()");
   m.def("repack(Tensor w, int qtype, int N, int K) -> Tensor");
   m.def("dequantize(Tensor(a!) out, Tensor w, int qtype, int K) -> ()");
   m.def("embedding(Tensor(a!) out, Tensor ids, Tensor w, int qtype, int K) -> ()");

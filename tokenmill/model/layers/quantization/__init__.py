@@ -50,14 +50,15 @@ def _kernels_ok(warn: bool) -> bool:
         return False
 
 
-def make_quant_config(quantization: str, source, group_size: int, dense_min_rows: int | None) -> QuantConfig | None:
+def make_quant_config(quantization: str, source, group_size: int, dense_min_rows: int | None,
+                      act_bits: int = 16) -> QuantConfig | None:
     if quantization == "gguf":
         from tokenmill.model.layers.quantization.gguf import GGUFConfig
         from tokenmill.model.loader import gguf_loader
 
-        return GGUFConfig(gguf_loader.tensor_types(source.path), dense_min_rows)
+        return GGUFConfig(gguf_loader.tensor_types(source.path), dense_min_rows, act_bits)
     if quantization in ("int8", "int4"):
         from tokenmill.model.layers.quantization.weight_only import WeightOnlyConfig
 
-        return WeightOnlyConfig(8 if quantization == "int8" else 4, group_size, dense_min_rows)
+        return WeightOnlyConfig(8 if quantization == "int8" else 4, group_size, dense_min_rows, act_bits)
     return None

@@ -21,9 +21,10 @@ FLOAT_GGUF = {0: "F32", 1: "F16", 30: "BF16"}
 class GGUFConfig(QuantConfig):
     name = "gguf"
 
-    def __init__(self, tensor_types: dict[str, int], dense_min_rows: int | None = None):
+    def __init__(self, tensor_types: dict[str, int], dense_min_rows: int | None = None, act_bits: int = 16):
         self.tensor_types = tensor_types  # checkpoint (Hugging Face) name -> ggml type id
         self.dense_min_rows = dense_min_rows
+        self.act_bits = act_bits
         self._packed: set[str] = set()
         self._warned: set[int] = set()
 
@@ -32,7 +33,7 @@ class GGUFConfig(QuantConfig):
         types = [self.tensor_types.get(n) for n in names]
         if all(t in NATIVE_GGUF for t in types):
             self._packed.update(names)
-            return PackedLinearMethod(types, self.dense_min_rows)
+            return PackedLinearMethod(types, self.dense_min_rows, self.act_bits)
         for t in types:
             if t is not None and t not in NATIVE_GGUF and t not in FLOAT_GGUF and t not in self._warned:
                 self._warned.add(t)

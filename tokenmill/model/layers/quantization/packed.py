@@ -34,8 +34,9 @@ def default_dense_min_rows() -> int:
 class PackedLinearMethod(LinearMethod):
     """Weights stored packed in `qtypes` (one format per shard)."""
 
-    def __init__(self, qtypes: list[int], dense_min_rows: int | None = None):
+    def __init__(self, qtypes: list[int], dense_min_rows: int | None = None, act_bits: int = 16):
         self.qtypes = list(qtypes)
+        self.act_bits = act_bits
         self.dense_min_rows = default_dense_min_rows() if dense_min_rows is None else dense_min_rows
         self.ops = quant_ops()
 
@@ -89,7 +90,7 @@ class PackedLinearMethod(LinearMethod):
             x = x.contiguous()
         out = torch.empty(x.shape[0], layer.q_out, dtype=out_dtype or x.dtype)
         dense = 0 if layer.row_tile is not None else self.dense_min_rows
-        self.ops.qlinear(out, x, layer.q_views, self.qtypes, layer.q_rows, bias, dense)
+        self.ops.qlinear(out, x, layer.q_views, self.qtypes, layer.q_rows, bias, dense, self.act_bits)
         return out
 
     def embed(self, layer, ids, dtype):

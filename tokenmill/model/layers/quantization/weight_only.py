@@ -16,12 +16,12 @@ from tokenmill.model.layers.quantization.packed import PackedLinearMethod
 
 
 class WeightOnlyConfig(QuantConfig):
-    def __init__(self, bits: int, group_size: int = 128, dense_min_rows: int | None = None):
+    def __init__(self, bits: int, group_size: int = 128, dense_min_rows: int | None = None, act_bits: int = 16):
         if bits not in (4, 8):
             raise ConfigError(f"weight-only quantization has 8 or 4 bits, not {bits}")
         if bits == 4 and group_size not in (32, 128):
             raise ConfigError(f"int4 groups are 32 or 128 weights, not {group_size}", param="quant_group_size")
-        self.bits, self.group_size, self.dense_min_rows = bits, group_size, dense_min_rows
+        self.bits, self.group_size, self.dense_min_rows, self.act_bits = bits, group_size, dense_min_rows, act_bits
         self.name = f"int{bits}"
 
     @property
@@ -33,7 +33,7 @@ class WeightOnlyConfig(QuantConfig):
     def linear_method(self, shard_names: list[str]) -> LinearMethod:
         if shard_names == ["lm_head"]:
             return UnquantizedLinearMethod()
-        return QuantizeAtLoadMethod(self.format.id, len(shard_names), self.dense_min_rows)
+        return QuantizeAtLoadMethod(self.format.id, self.dense_min_rows, self.act_bits)
 
     def embedding_method(self, name: str) -> LinearMethod:
         return UnquantizedLinearMethod()
@@ -45,8 +45,8 @@ class WeightOnlyConfig(QuantConfig):
 class QuantizeAtLoadMethod(PackedLinearMethod):
     """Loads the dense weight in fp32, then quantizes it (all shards in one format) and drops it."""
 
-    def __init__(self, qtype: int, num_shards: int, dense_min_rows: int | None):
-        super().__init__([qtype], dense_min_rows)
+    def __init__(self, qtype: int, dense_min_rows: int | None, act_bits: int):
+        super().__init__([qtype], dense_min_rows, act_bits)
 
     def create_weights(self, layer, in_features, shard_sizes, dtype, device) -> None:
         block = FORMATS["I4_G128"].block if self.qtypes[0] == FORMATS["I4_G128"].id else 32
