@@ -80,6 +80,8 @@ def rows_for(model: str, ids: list[int], only: set[str]) -> list[dict]:
             measure(model, ids, quantization="gguf", dtype="float32"), 0.5)
         row("gguf native, bf16 activations", "dequantized fp32", ref,
             measure(model, ids, quantization="gguf", dtype="bfloat16"), 0.5)
+        row("gguf native, fp32, --quant-act-bits 8", "dequantized fp32", ref,
+            measure(model, ids, quantization="gguf", dtype="float32", quant_act_bits=8), 0.5)
     if "kv" in only:
         ref = measure(model, ids, quantization="gguf", dtype="bfloat16", kv_cache_dtype="bfloat16")
         for kv in ("int8", "fp8_e4m3"):
