@@ -68,8 +68,9 @@ def test_preempted_request_resumes_where_it_left_off(tiny_llm, params):
 
 
 def test_sampling_across_preemption_matches_running_alone():
-    """Seeded and penalized requests under constant preemption (fp32): the same tokens as alone."""
-    llm = LLM(dtype="float32", kv_cache_memory=24 * 16 * 46080, max_model_len=256, progress=False)
+    """Seeded and penalized requests under constant preemption (fp32, dense weights): the same tokens
+    as alone."""
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory=24 * 16 * 46080, max_model_len=256, progress=False)
     tok = llm.get_tokenizer()
     prompts = [tok.encode(f"Story {i}: once upon a time in a land far away, there lived a {w}")
                for i, w in enumerate(["dragon", "king", "cat", "robot", "wizard", "child", "ship", "tree"])]

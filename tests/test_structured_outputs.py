@@ -117,7 +117,7 @@ def test_greedy_survives_preemption_and_prefix_caching(smol_fp32):
                for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": schema})
     roomy = smol_fp32.generate(prompts, params, use_tqdm=False)
-    tiny = LLM(dtype="float32", kv_cache_memory=17 * 16 * 46080, max_model_len=256, progress=False)
+    tiny = LLM(dtype="float32", quantization="none", kv_cache_memory=17 * 16 * 46080, max_model_len=256, progress=False)
     try:
         outs = tiny.generate(prompts, params, use_tqdm=False)
         core = tiny.engine.core

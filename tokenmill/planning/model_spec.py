@@ -11,9 +11,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.model.model_config import ModelConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# weight-only quantization at load: bytes per weight of a linear layer, scales included
-_QUANT_BYTES = {"int8": 1 + 4 / 4096, "int4": 0.5 + 4 / 128}
-_KV_DTYPE_BYTES = {"int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# weight-only quantization at load: bytes per weight of a linear layer, scales included (int8: a
+# float32 scale per row; int4: fp16 scale and offset per group of 32 (Q4_1) or 128 (I4_G128))
+_QUANT_BYTES = {"int8": 1 + 4 / 4096, "int4": 0.5 + 4 / 128, "int4_g32": 0.5 + 4 / 32}
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,7 @@ def resolve_quantization(config: EngineConfig, source) -> str:
 
 def model_spec(config: EngineConfig) -> ModelSpec:
     """Resolve the model (a clear ConfigError if unknown) and size it for the configured dtype."""
-    import torch
-
+    from tokenmill.model.attention.quant_kv import bytes_per_token_head, storage_dtype
     from tokenmill.model.loader import load_model_config, resolve_model
 
     source = resolve_model(config.model.model)
@@ -93,12 +92,14 @@ def model_spec(config: EngineConfig) -> ModelSpec:
     dense = total_params(mc) * _DTYPE_BYTES[dtype]
     if quant == "gguf":
         weights = _gguf_packed_bytes(source)
-    elif quant in _QUANT_BYTES:
-        weights = dense - linear_params(mc) * (_DTYPE_BYTES[dtype] - _QUANT_BYTES[quant])
+    elif quant in ("int8", "int4"):
+        per_weight = _QUANT_BYTES["int4_g32" if quant == "int4" and config.quant.quant_group_size == 32 else quant]
+        weights = dense - linear_params(mc) * (_DTYPE_BYTES[dtype] - per_weight)
     else:
         weights = dense
     kv_dtype = getattr(config.cache, "kv_cache_dtype", "auto") or "auto"
-    kv_elt = _KV_DTYPE_BYTES.get(kv_dtype, _DTYPE_BYTES[dtype] if kv_dtype == "auto" else
-                                 torch.empty(0, dtype=getattr(torch, kv_dtype)).element_size())
-    return ModelSpec(source.name, mc, dtype, quant, kv_dtype, int(weights),
-                     mc.kv_bytes_per_token * kv_elt, linear_params(mc))
+    # as the worker sizes it (scales included): worker.Worker.kv_bytes_per_token
+    per_head = bytes_per_token_head(storage_dtype(kv_dtype, config.model.torch_dtype), config.model.torch_dtype,
+                                    mc.head_dim)
+    kv_bytes = 2 * mc.num_hidden_layers * mc.num_key_value_heads * per_head
+    return ModelSpec(source.name, mc, dtype, quant, kv_dtype, int(weights), kv_bytes, linear_params(mc))
