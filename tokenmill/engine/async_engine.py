@@ -69,6 +69,15 @@ class AsyncLLMEngine:
         return self.engine.model_config.vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        return self.engine.processor.max_logprobs
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Texts longer than this are refused before they are tokenized."""
+        return self.engine.processor.max_prompt_chars
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
@@ -136,9 +145,10 @@ class AsyncLLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                 add_special_tokens: bool = True) -> RequestStream:
+                 add_special_tokens: bool = True, prompt_token_ids: list[int] | None = None) -> RequestStream:
         """Validate and submit a request; returns an async iterator of its outputs (deltas unless
-        FINAL_ONLY). Bad input raises here, before anything is streamed."""
+        FINAL_ONLY). Bad input raises here, before anything is streamed. A caller that tokenized a
+        long text off the event loop passes its ids as `prompt_token_ids`."""
         if self.dead_error is not None:
             raise EngineDeadError("the engine is not running") from self.dead_error
         if params.output_kind == RequestOutputKind.CUMULATIVE:  # streams carry deltas
@@ -147,7 +157,8 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is in flight", param="request_id")
-        processed = self.engine.process(request_id, prompt, params, add_special_tokens=add_special_tokens)
+        processed = self.engine.process(request_id, prompt, params, add_special_tokens=add_special_tokens,
+                                        prompt_token_ids=prompt_token_ids)
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream.queue
         self._submit(("add", processed))

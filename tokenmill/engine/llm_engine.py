@@ -65,10 +65,11 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                arrival_time: float | None = None, add_special_tokens: bool = True) -> ProcessedRequest:
+                arrival_time: float | None = None, add_special_tokens: bool = True,
+                prompt_token_ids: list[int] | None = None) -> ProcessedRequest:
         """Tokenize and validate (thread-safe; raises InvalidRequestError for bad input)."""
         return self.processor.process(request_id, prompt, params or SamplingParams(), arrival_time,
-                                      add_special_tokens)
+                                      add_special_tokens, prompt_token_ids)
 
     def add_processed(self, p: ProcessedRequest) -> None:
         if p.request_id in self.output_processor.requests:
