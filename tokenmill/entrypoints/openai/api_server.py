@@ -107,6 +107,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
         async def load():
             try:
                 await state.load()
+            except asyncio.CancelledError:  # shut down before the model was loaded
+                raise
             except BaseException as e:  # noqa: BLE001
                 state.load_error = e
                 logger.error("failed to load the model: %s", describe_error(e))

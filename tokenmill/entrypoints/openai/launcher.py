@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import time
 
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.entrypoints.openai.api_server import ServerState, build_app
+from tokenmill.errors import ConfigError
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -59,17 +62,36 @@ class _Server:
             logger.warning("grace period over: %d request(s) still running are cut off", left)
         self.uvicorn.should_exit = True
 
-    async def serve(self) -> int:
+    async def serve(self, sock: socket.socket) -> int:
         self.loop = asyncio.get_running_loop()
-        await self.uvicorn.serve()
+        await self.uvicorn.serve(sockets=[sock])
         return self.exit_code
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind the port before anything else starts, so that a port in use is one clear error, not a
+    model load cut short."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}", param="host") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        hint = "; another process is listening there (choose one with --port)" if e.errno == errno.EADDRINUSE else ""
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}{hint}", param="port") from None
+    return sock
+
+
 def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "info") -> int:
+    sock = listen_socket(config.host, config.port)
     server = _Server(engine_config, config, log_level)
     try:
         import uvloop
 
-        return uvloop.run(server.serve())
+        return uvloop.run(server.serve(sock))
     except ImportError:
-        return asyncio.run(server.serve())
+        return asyncio.run(server.serve(sock))

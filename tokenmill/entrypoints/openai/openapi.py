@@ -12,8 +12,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 # markers the request models put on fields whose bounds are only known once the model is loaded
-TOKEN_ID, TOKEN_LIST, OUTPUT_TOKENS, LOGPROBS, SERVED_MODEL, PROMPT_CHARS = (
-    "x-token-id", "x-token-list", "x-output-tokens", "x-logprobs", "x-served-model", "x-prompt-chars")
+TOKEN_ID, TOKEN_LIST, TOKEN_KEY, OUTPUT_TOKENS, LOGPROBS, SERVED_MODEL, PROMPT_CHARS = (
+    "x-token-id", "x-token-list", "x-token-key", "x-output-tokens", "x-logprobs", "x-served-model",
+    "x-prompt-chars")
 
 
 class ErrorDetail(BaseModel):
@@ -84,9 +85,14 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return out
 
 
+# with OpenAPI 3.1 the schema of an event-stream describes one event
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "A JSON chunk (or an error object); the last event is [DONE]."}}}
+
+
 def text_stream(description: str) -> dict[int | str, dict[str, Any]]:
     """A 200 that is JSON, or server-sent events when the body asks for `stream: true`."""
-    return {200: {"description": description, "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
 
 
 def install(app: FastAPI, runtime_limits) -> None:
@@ -98,6 +104,7 @@ def install(app: FastAPI, runtime_limits) -> None:
             return app.openapi_schema
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
                              description=app.description)
+        _standard_bounds(schema)
         limits = runtime_limits()
         if limits is None:
             return schema
@@ -106,6 +113,36 @@ def install(app: FastAPI, runtime_limits) -> None:
         return schema
 
     app.openapi = openapi
+
+
+def decimal_at_most(maximum: int) -> str:
+    """A regex for the decimal strings (leading zeros allowed) of the integers 0..maximum."""
+    s, parts = str(maximum), []
+    if len(s) > 1:
+        parts.append(f"[0-9]{{1,{len(s) - 1}}}")
+    for i, digit in enumerate(map(int, s)):
+        low = 1 if i == 0 and len(s) > 1 else 0
+        if digit - 1 >= low:
+            parts.append(f"{s[:i]}[{low}-{digit - 1}][0-9]{{{len(s) - i - 1}}}")
+    parts.append(s)
+    return f"^0*({'|'.join(parts)})$"
+
+
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _standard_bounds(node: Any) -> None:
+    """pydantic writes the bounds of a type with a validator (`Int`) under their Python names."""
+    if isinstance(node, list):
+        for item in node:
+            _standard_bounds(item)
+    elif isinstance(node, dict):
+        if node.get("type") in ("integer", "number"):
+            for py, js in _BOUNDS.items():
+                if py in node:
+                    node[js] = node.pop(py)
+        for value in node.values():
+            _standard_bounds(value)
 
 
 def _fill_limits(node: Any, limits: dict[str, Any]) -> None:
@@ -123,6 +160,8 @@ def _fill_limits(node: Any, limits: dict[str, Any]) -> None:
         node["maximum"] = limits["max_model_len"] - 1
     if node.pop(LOGPROBS, False):
         node["maximum"] = limits["max_logprobs"]
+    if node.pop(TOKEN_KEY, False):
+        node["propertyNames"] = {"pattern": decimal_at_most(limits["vocab_size"] - 1)}
     if node.pop(PROMPT_CHARS, False):
         node["maxLength"] = limits["max_prompt_chars"]
     if node.pop(SERVED_MODEL, False):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
 from tokenmill.entrypoints.openai.openapi import (
     LOGPROBS,
@@ -13,6 +13,7 @@ from tokenmill.entrypoints.openai.openapi import (
     PROMPT_CHARS,
     SERVED_MODEL,
     TOKEN_ID,
+    TOKEN_KEY,
     TOKEN_LIST,
 )
 from tokenmill.errors import InvalidRequestError
@@ -21,6 +22,14 @@ from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.compiler import validate
 
 MAX_CHOICES = 128  # n x prompts of one request
+
+
+def _integral(v):
+    """JSON Schema's integer includes 3.0; nothing else that is not an int becomes one (no bools, no strings)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 _SEED = dict(ge=-(2**63), le=2**63)  # what torch takes; exact as a JSON Schema float
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 PromptText = Annotated[str, Field(json_schema_extra={PROMPT_CHARS: True})]
@@ -28,8 +37,8 @@ NonEmptyPrompt = Annotated[str, Field(min_length=1, json_schema_extra={PROMPT_CH
 _BIAS = {"type": "number", "minimum": -100, "maximum": 100}
 LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
                       WithJsonSchema({"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
-                                      "additionalProperties": _BIAS})]
-TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID: True})]
+                                      "additionalProperties": _BIAS, TOKEN_KEY: True})]
+TokenId = Annotated[Int, Field(ge=0, json_schema_extra={TOKEN_ID: True})]
 TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra={TOKEN_LIST: True})]
 
 
@@ -43,8 +52,9 @@ _STREAM_OPTIONS_NEED_STREAM = _implies("stream_options", {"type": "object"}, "st
 
 
 class OpenAIModel(BaseModel):
-    # unknown fields are ignored, as OpenAI does; floats must be finite (1e400 parses as inf)
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # Unknown fields are ignored, as OpenAI does. Types are strict, as the schema says (no "5" for 5,
+    # no 0 for false), and floats finite (1e400 parses as inf).
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -71,21 +81,21 @@ class SamplingFields(OpenAIModel):
                               json_schema_extra={SERVED_MODEL: True})
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_CHOICES, description=f"Samples per prompt; n x prompts <= {MAX_CHOICES}.")
+    n: Int = Field(1, ge=1, le=MAX_CHOICES, description=f"Samples per prompt; n x prompts <= {MAX_CHOICES}.")
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
     stop: NonEmptyStr | list[NonEmptyStr] | None = None
-    seed: int | None = Field(None, **_SEED)
+    seed: Int | None = Field(None, **_SEED)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: LogitBias | None = Field(None, description="Token id (a decimal string) -> bias added to its logit.")
     user: str | None = None
     # vLLM's extra parameters
-    top_k: int | None = Field(None, ge=-1, description="0 or -1: all tokens.")
+    top_k: Int | None = Field(None, ge=-1, description="0 or -1: all tokens.")
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, description="At most max_tokens.")
+    min_tokens: Int = Field(0, ge=0, description="At most max_tokens.")
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -156,11 +166,11 @@ class CompletionRequest(SamplingFields):
         Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)] = Field(
             description="Text, a list of texts, token ids, or a list of token-id lists. Each prompt plus max_tokens "
                         "must fit the model's context length (400 otherwise).")
-    max_tokens: int | None = Field(None, ge=0, description="Default 16; 0 only with echo (prompt logprobs only).",
+    max_tokens: Int | None = Field(None, ge=0, description="Default 16; 0 only with echo (prompt logprobs only).",
                                    json_schema_extra={OUTPUT_TOKENS: True})
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, json_schema_extra={LOGPROBS: True})
-    best_of: int | None = Field(None, ge=1, description="Only equal to n (no server-side ranking).")
+    logprobs: Int | None = Field(None, ge=0, json_schema_extra={LOGPROBS: True})
+    best_of: Int | None = Field(None, ge=1, description="Only equal to n (no server-side ranking).")
     suffix: str | None = Field(None, max_length=0, description="Not supported: empty or null.")
 
     def prompts(self) -> list[str | list[int]]:
@@ -199,11 +209,11 @@ class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [
         _STREAM_OPTIONS_NEED_STREAM, _implies("top_logprobs", {"type": "integer"}, "logprobs", True)]})
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(None, ge=1, description="Deprecated name of max_completion_tokens.",
+    max_tokens: Int | None = Field(None, ge=1, description="Deprecated name of max_completion_tokens.",
                                    json_schema_extra={OUTPUT_TOKENS: True})
-    max_completion_tokens: int | None = Field(None, ge=1, json_schema_extra={OUTPUT_TOKENS: True})
+    max_completion_tokens: Int | None = Field(None, ge=1, json_schema_extra={OUTPUT_TOKENS: True})
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, description="Only with logprobs: true.",
+    top_logprobs: Int | None = Field(None, ge=0, description="Only with logprobs: true.",
                                      json_schema_extra={LOGPROBS: True})
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
@@ -215,9 +225,9 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(OpenAIModel):
     """Exactly one of prompt or messages."""
 
-    model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"properties": {"prompt": {"type": "string"}}, "required": ["prompt"]},
-        {"properties": {"messages": {"type": "array"}}, "required": ["messages"]}]})
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}, "required": ["prompt"]},
+        {"properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}, "required": ["messages"]}]})
 
     model: str | None = Field(None, json_schema_extra={SERVED_MODEL: True})
     prompt: PromptText | None = None

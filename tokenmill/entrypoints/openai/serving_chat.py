@@ -52,6 +52,11 @@ class ChatServing(ServingBase):
         prompt = self.engine.render_chat(messages, req.add_generation_prompt,
                                          **{**(req.chat_template_kwargs or {}), **tool_kwargs})
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        for name in ("max_tokens", "max_completion_tokens"):  # both are checked, even the one not used
+            value = getattr(req, name)
+            if value is not None and value >= self.engine.max_model_len:
+                raise InvalidRequestError(f"{name} must be < max_model_len ({self.engine.max_model_len}), "
+                                          f"got {value}", param=name)
         params = req.sampling_params(max_tokens, logprobs=(top or 0) if req.logprobs else None,
                                      prompt_logprobs=None, default_max_tokens=None, structured=structured)
         return prompt, params, tools if tools is not None and tools.choice != "none" else None
