@@ -7,6 +7,9 @@ the query length, context length and block table. No padding between sequences.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import numpy as np
 import torch
 
@@ -17,6 +20,15 @@ from tokenmill.worker.request_state import GrammarSource, RequestState, RequestS
 from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
 
 _PROMPT_LOGITS_CHUNK = 256  # rows of full-vocab logits materialized at once for prompt logprobs
+
+
+def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in fresh anonymous memory: the OS guarantees its pages read as zero and maps
+    each on first write, so a 4 GiB KV cache costs nothing at start-up (torch.zeros wrote all of
+    it: seconds) and its RSS grows only as blocks are used."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class ModelRunner:
@@ -46,8 +58,11 @@ class ModelRunner:
                 layer.kv_cache = cache
             return
         # zeros, not empty: masked-out slots are still read, and garbage NaNs would poison softmax
-        self.kv_cache = torch.zeros(len(layers), 2, num_blocks, self.block_size, num_kv_heads, head_dim,
-                                    dtype=dtype, device=self.device)
+        shape = (len(layers), 2, num_blocks, self.block_size, num_kv_heads, head_dim)
+        if self.device.type == "cpu":
+            self.kv_cache = zeroed_cpu_tensor(shape, dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.kv_cache = self.kv_cache[i]
 
