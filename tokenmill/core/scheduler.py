@@ -44,6 +44,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.finished_req_ids: list[str] = []  # for the runner, with the next SchedulerOutput
+        self.failed: dict[str, str] = {}  # request id -> why: a fault while scheduling it failed it alone
 
     # --- queue management -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -115,12 +116,16 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while (new_blocks := self.kv.allocate_slots(req, n)) is None:
-                victim = next(r for r in reversed(self.running) if r.request_id not in num_tokens)
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
+            try:
+                while (new_blocks := self.kv.allocate_slots(req, n)) is None:
+                    victim = next(r for r in reversed(self.running) if r.request_id not in num_tokens)
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is req:
+                        break
+            except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
+                self._fail(req, e)
+                continue
             if req.status == RequestStatus.RUNNING:
                 num_tokens[req.request_id] = n
                 cached_reqs.append(CachedRequestData(req.request_id, False, [b.block_id for b in new_blocks],
@@ -131,10 +136,14 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, n, hits) is None:
-                break  # head of line waits for room: later requests do not overtake it
+            try:
+                hits, num_hit = self.kv.get_computed_blocks(req)
+                n = min(req.num_tokens - num_hit, budget)
+                if self.kv.allocate_slots(req, n, hits) is None:
+                    break  # head of line waits for room: later requests do not overtake it
+            except Exception as e:  # noqa: BLE001
+                self._fail(req, e)
+                continue
             self.waiting.popleft()
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
@@ -154,6 +163,18 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, []
         return SchedulerOutput(new_reqs, cached_reqs, num_tokens, self.max_num_batched_tokens - budget,
                                preempted, finished)
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        """Scheduling `req` raised: it alone ends (reported in the step's outputs as failed)."""
+        (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+        try:
+            self.kv.free(req)
+        except Exception:  # noqa: BLE001 - its blocks are lost, the engine goes on
+            logger.exception("request %s: freeing its KV blocks failed", req.request_id)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self.requests.pop(req.request_id, None)
+        self.finished_req_ids.append(req.request_id)  # the runner may hold its state
+        self.failed[req.request_id] = f"{type(error).__name__}: {error}"
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

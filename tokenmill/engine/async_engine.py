@@ -175,6 +175,12 @@ class AsyncLLMEngine:
         future = self._loop.create_future()
         self._submit(("kv_block_states", future))
         return await future
+    def fail_all(self, error: BaseException) -> None:
+        """End every in-flight request with `error` (shutdown past its grace period): each stream
+        raises it, so each client gets an explicit error rather than a cut connection."""
+        for rid in list(self._streams):
+            self._streams[rid].put_nowait(error)
+            self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -216,6 +222,9 @@ class AsyncLLMEngine:
                     continue
                 if outputs:
                     self._post(self._dispatch, outputs)
+                for rid, why in self.engine.take_failed().items():
+                    logger.error("request %s failed: %s", rid, why)
+                    self._post(self._fail, [rid], EngineStepError(f"request failed: {why}", [rid]))
         except BaseException as e:  # a bug outside the model step: the engine state is suspect
             logger.exception("engine loop died")
             self.dead_error = e

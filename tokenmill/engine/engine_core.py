@@ -64,11 +64,12 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
         failed, self.scheduler.compile_failures = self.scheduler.compile_failures, []
+        errors, self.scheduler.failed = self.scheduler.failed, {}
         if sched.is_empty:
             self.worker.runner.execute(sched)  # no model run; drops finished requests' state
-            if self.scheduler.compiling and not failed:  # nothing to run until a grammar is ready
+            if self.scheduler.compiling and not failed and not errors:  # nothing to run until a grammar is ready
                 wait([r.grammar_ready for r in self.scheduler.compiling], _GRAMMAR_POLL_S, FIRST_COMPLETED)
-            return EngineCoreOutputs(failed, timestamp=time.monotonic(), scheduler_stats=self.stats())
+            return EngineCoreOutputs(failed, time.monotonic(), self.stats(), errors)
         try:
             result = self.worker.runner.execute(sched)
         except Exception as e:
@@ -82,4 +83,4 @@ class EngineCore:
         self.num_steps += 1
         outputs = self.scheduler.update(sched, result)
         self._drop_finished_if_idle()
-        return EngineCoreOutputs(failed + outputs, time.monotonic(), self.stats())
+        return EngineCoreOutputs(failed + outputs, time.monotonic(), self.stats(), errors)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import SchedulerStats
+from tokenmill.engine import faults
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, ProcessedRequest
@@ -50,6 +51,8 @@ class LLMEngine:
         self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len,
                                         config.model.max_logprobs, eos, chat_template)
         self.output_processor = OutputProcessor(self.tokenizer)
+        faults.install(self.core, self.output_processor)  # test-only switches; nothing when unset
+        self._failed: dict[str, str] = {}
         self.stat_loggers: list[StatLogger] = []
         self.served_model_name = config.model.served_model_name or self.source.name
         self.last_iteration_stats = IterationStats()
@@ -101,6 +104,12 @@ class LLMEngine:
         """Live: read now, not at the last step."""
         return self.core.stats()
 
+    def take_failed(self) -> dict[str, str]:
+        """Requests that failed alone in the steps since the last call (request id -> why): a fault
+        while scheduling, detokenizing or stop-checking one request fails only that request."""
+        failed, self._failed = self._failed, {}
+        return failed
+
     # --- one step ---------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         try:
@@ -109,8 +118,14 @@ class LLMEngine:
             e.request_ids = self.output_processor.parents_of(e.request_ids)
             self.output_processor.abort(e.request_ids)
             raise
+        if core_outs.failed:  # failed alone while scheduled: its sibling samples end with it
+            parents = {parent: why for cid, why in core_outs.failed.items()
+                       for parent in self.output_processor.parents_of([cid])}
+            self._failed.update(parents)
+            self.core.abort_requests(self.output_processor.abort(list(parents)))
         outputs, to_abort, it_stats = self.output_processor.process(core_outs.outputs, time.monotonic())
-        if to_abort:  # stop strings: the core keeps generating until told
+        self._failed.update(self.output_processor.take_failed())
+        if to_abort:  # stop strings and failed requests: the core keeps generating until told
             self.core.abort_requests(to_abort)
         self.last_iteration_stats = it_stats
         for stat_logger in self.stat_loggers:

@@ -11,7 +11,7 @@ import time
 
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.entrypoints.openai.api_server import ServerState, build_app
-from tokenmill.errors import ConfigError
+from tokenmill.errors import ConfigError, ServiceUnavailableError
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -59,7 +59,11 @@ class _Server:
             await asyncio.sleep(0.05)
         left = self.state.engine.num_in_flight
         if left:
-            logger.warning("grace period over: %d request(s) still running are cut off", left)
+            logger.warning("grace period over: %d request(s) still running end with an error", left)
+            self.state.engine.fail_all(ServiceUnavailableError("the server shut down before this request finished"))
+            deadline = time.monotonic() + 5.0  # let their error events reach the clients
+            while self.state.engine.num_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         self.uvicorn.should_exit = True
 
     async def serve(self, sock: socket.socket) -> int:
