@@ -154,9 +154,13 @@ def _proc_stats(pid: int) -> tuple[int, int, int]:
     return proc.memory_info().rss, proc.num_fds(), proc.num_threads()
 
 
-async def _probe(client: httpx.AsyncClient, url: str) -> float:
+async def _probe(client: httpx.AsyncClient, url: str) -> float | None:
+    """Latency of a one-token request; None when it is refused (429: the queue is still full)."""
     t0 = time.monotonic()
     r = await client.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 1}, timeout=300)
+    if r.status_code == 429:
+        await asyncio.sleep(0.1)
+        return None
     r.raise_for_status()
     return time.monotonic() - t0
 
@@ -166,7 +170,7 @@ async def overload(url: str, seconds: float, report: Report, seed: int) -> None:
     rng = random.Random(seed)
     body = {"prompt": "Write about the sea.", "max_tokens": 32, "ignore_eos": True}
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=2000)) as client:
-        idle = min([await _probe(client, url) for _ in range(3)])
+        idle = min(filter(None, [await _probe(client, url) for _ in range(3)]))
         t0, done = time.monotonic(), 0
 
         async def closed():
@@ -200,7 +204,8 @@ async def overload(url: str, seconds: float, report: Report, seed: int) -> None:
         burst_end = time.monotonic()
         recovered_after = None
         while recovered_after is None and time.monotonic() - burst_end < 120:
-            if await _probe(client, url) < max(3 * idle, idle + 0.2):
+            latency = await _probe(client, url)
+            if latency is not None and latency < max(3 * idle, idle + 0.2):
                 recovered_after = time.monotonic() - burst_end
         await asyncio.gather(*tasks)
         admitted.sort()
