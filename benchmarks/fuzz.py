@@ -253,7 +253,7 @@ def main() -> int:
     failed = False
     try:
         if not args.skip_schemathesis:
-            per_op = max(1, args.cases // 2 // 9)  # 9 operations
+            per_op = max(1, args.cases // 2 // 11)  # 11 operations
             for label, target, key in [("schemathesis", url, None),
                                        ("schemathesis --api-key", servers[1].url if servers else None, "fuzz-key")]:
                 if target is None:

@@ -8,6 +8,10 @@ schema-valid cases that break one are dropped here (negative cases are never dro
 length is bounded from above by its UTF-8 bytes (byte-level BPE: a token is at least one byte),
 so no dropped case could have fit and no kept case can fail to fit.
 
+Positive cases that ask for structured outputs or tools are dropped as well: whether a regex, a
+grammar, a JSON schema or a tool list compiles is the grammar compiler's to say, not JSON
+Schema's (tests/test_server_structured.py covers those 400s; negative cases still run).
+
 Positive cases that ask for more than TOKENMILL_FUZZ_TOKEN_BUDGET output tokens (n x prompts x
 max_tokens) are dropped too: one n=128 x 255-token request takes minutes on two cores, and tests
 throughput, not robustness.
@@ -79,7 +83,25 @@ def chat_fits(body: dict) -> bool:
     return tokens + (max_tokens or 1) <= MAX_MODEL_LEN and n * (max_tokens or MAX_MODEL_LEN) <= TOKEN_BUDGET
 
 
-_RULES = {"/v1/completions": completion_fits, "/v1/chat/completions": chat_fits}
+_COMPILED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
+             "tool_choice")
+
+
+def compiles_nothing(body: dict) -> bool:
+    rf = body.get("response_format")
+    json_schema = isinstance(rf, dict) and rf.get("type") == "json_schema"
+    return not json_schema and all(body.get(k) is None for k in _COMPILED)
+
+
+def completion_ok(body: dict) -> bool:
+    return compiles_nothing(body) and completion_fits(body)
+
+
+def chat_ok(body: dict) -> bool:
+    return compiles_nothing(body) and chat_fits(body)
+
+
+_RULES = {"/v1/completions": completion_ok, "/v1/chat/completions": chat_ok}
 
 
 @schemathesis.hook

@@ -19,7 +19,6 @@ from tokenmill.entrypoints.openai.openapi import (
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.structured_output import StructuredOutputsParams
-from tokenmill.structured_output.compiler import validate
 
 MAX_CHOICES = 128  # n x prompts of one request
 
@@ -103,9 +102,9 @@ class SamplingFields(OpenAIModel):
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyStr | None = None
 
     def structured(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the request asks for, if any."""
@@ -128,6 +127,8 @@ class SamplingFields(OpenAIModel):
             raise InvalidRequestError(f"{found[0][0]} and {found[1][0]} cannot be combined", param=found[1][0])
         if not found:
             return None
+        from tokenmill.structured_output.compiler import validate  # xgrammar (and transformers): when asked for
+
         param, params = found[0]
         validate(params.spec(), param)
         return params
