@@ -36,6 +36,11 @@ class EngineCore:
                                    self.max_model_len)
         self.num_steps = 0
 
+    @staticmethod
+    def prefetch(config: EngineConfig) -> None:
+        """Start the slow parts that do not need the model (see Worker.prefetch)."""
+        Worker.prefetch(config)
+
     def add_request(self, request: EngineCoreRequest) -> None:
         req = Request.from_engine_core_request(request)
         if req.params.grammar is not None:  # compiles off this thread; the request waits, others run

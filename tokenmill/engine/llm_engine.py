@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
@@ -41,10 +42,16 @@ class LLMEngine:
         self.config = config
         t0 = time.monotonic()
         chat_template = load_chat_template(config.model.chat_template)  # fail before the slow part
+        EngineCore.prefetch(config)  # a cold start's kernel build runs while the model loads
         self.source = resolve_model(config.model.model)
         self.model_config = load_model_config(self.source)
-        self.tokenizer = load_tokenizer(self.source, config.model.tokenizer, config.model.trust_remote_code)
-        self.core = EngineCore(config, self.source, self.model_config, progress=progress)
+        # The tokenizer (importing transformers: ~1.3 s of Python) loads while the weights dequantize
+        # (numpy kernels that release the GIL): on 2 cores the two overlap.
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, self.source, config.model.tokenizer,
+                                    config.model.trust_remote_code)
+            self.core = EngineCore(config, self.source, self.model_config, progress=progress)
+            self.tokenizer = tokenizer.result()
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -64,6 +64,12 @@ def load_cpu_kernels() -> bool:
         return _loaded
 
 
+def start_build() -> None:
+    """Build (or load) the kernels on a thread now, so that a first build (a compiler subprocess)
+    overlaps the model's loading; load_cpu_kernels() then waits for its result."""
+    threading.Thread(target=load_cpu_kernels, name="tokenmill-kernels", daemon=True).start()
+
+
 def _unavailable(reason: str) -> bool:
     global unavailable_reason
     unavailable_reason = reason

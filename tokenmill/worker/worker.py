@@ -37,6 +37,15 @@ def rss_bytes() -> int:
 
 
 class Worker:
+    @staticmethod
+    def prefetch(config: EngineConfig) -> None:
+        """Start now what is slow and does not need the model: the C++ kernels' build (~20 s on a
+        cold machine), which then overlaps reading the GGUF, the weights and the tokenizer."""
+        if config.model.torch_device.type == "cpu" and config.kernel.attention_backend in ("auto", "cpu_paged"):
+            from tokenmill.model import kernels
+
+            kernels.start_build()
+
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True):
         self.config = config
         self.source = source
