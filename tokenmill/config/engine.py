@@ -109,9 +109,21 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int = opt("Token budget of one engine step (bounds a prefill chunk).", 2048)
     max_num_seqs: int = opt("Most sequences in one engine step.", 128)
+    scheduling_policy: str = opt("Order of the waiting queue: fcfs (arrival order), or priority (the request's "
+                                 "`priority`, lower first, then arrival; preemption takes the lowest priority "
+                                 "first).", "fcfs", choices=["fcfs", "priority"])
+    priority_aging: float = opt("Under --scheduling-policy priority: seconds of waiting that raise a request's "
+                                "effective priority by one level (lower its number by 1), so a request of priority p "
+                                "is overtaken only by requests of priority q that arrive within (p - q) x this "
+                                "after it. 0: strict priorities (a request can starve).", 10.0)
 
     def validate(self) -> None:
         check_positive(self, "max_num_batched_tokens", "max_num_seqs")
+        check_choice(self, "scheduling_policy", ("fcfs", "priority"))
+        a = self.priority_aging
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not a >= 0 or a == float("inf"):
+            raise ConfigError(f"priority_aging must be a finite number of seconds >= 0, got {a!r}",
+                              param="priority_aging")
 
 
 @dataclass

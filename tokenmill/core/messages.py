@@ -56,6 +56,7 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     max_tokens: int  # effective: the front end has resolved None against max_model_len
     arrival_time: float  # time.monotonic() of the front end (same machine: the same clock)
     cache_salt: bytes = b""  # extra key of the first block's hash (isolates tenants' prefix caches)
+    priority: int = 0  # lower is served first under --scheduling-policy priority
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
@@ -87,6 +88,18 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, gc=False):
     num_preemptions: int = 0
 
 
+class SchedulerLoad(msgspec.Struct, frozen=True):
+    """The work the core holds, in requests and tokens: what SLO admission predicts from."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    running_context_tokens: int = 0  # sum of the running requests' computed tokens
+    running_prefill_tokens: int = 0  # prompt tokens of running requests not yet computed
+    running_decode_tokens_left: int = 0  # output tokens the running requests may still produce
+    waiting_prompt_tokens: int = 0  # tokens the waiting requests must (re)compute
+    waiting_decode_tokens: int = 0  # output tokens the waiting requests may still produce
+
+
 class SchedulerStats(msgspec.Struct):
     num_running: int
     num_waiting: int
@@ -96,6 +109,7 @@ class SchedulerStats(msgspec.Struct):
     prefix_queries: int  # cumulative, in tokens
     prefix_hits: int
     num_preemptions: int  # cumulative
+    load: SchedulerLoad = SchedulerLoad()
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -3,9 +3,12 @@
 Every step builds one batch under a token budget (max_num_batched_tokens) and a sequence cap
 (max_num_seqs): running requests that decode come first (one token each), then running requests
 still prefilling (a chunk each), then waiting requests in arrival order (prefix-cache hits first,
-then a chunk of the rest). When the KV pool runs out, the most recently admitted running request
-not yet in this step's batch is preempted: its blocks are freed and it goes back to the front of
-the waiting queue, to be recomputed later (cheaply, through the prefix cache).
+then a chunk of the rest). When the KV pool runs out, a running request is preempted: its blocks are
+freed and it goes back to the waiting queue, to be recomputed later (cheaply, through the prefix
+cache). Which one, and the waiting queue's order, follow the scheduling policy (request_queue.py):
+fcfs preempts the most recently admitted request not yet in this step's batch and puts it back at
+the front; priority preempts the lowest-ranked running request (undoing its part of this step if it
+had one) and serves the waiting queue by rank, each group of running requests too.
 
 The batch goes to the runner as deltas (scheduler_output.py); `update` takes back the k >= 1
 tokens per request a step yields and returns the step's EngineCoreOutputs.
@@ -15,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.messages import EngineCoreOutput, SchedulerStats
+from tokenmill.core.messages import EngineCoreOutput, SchedulerLoad, SchedulerStats
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request_queue import make_queue, priority_key
 from tokenmill.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -32,12 +35,14 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int):
+                 max_model_len: int, policy: str = "fcfs", priority_aging: float = 0.0):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.priority_aging = priority_aging
+        self.waiting = make_queue(policy, priority_aging)
         self.running: list[Request] = []
         self.compiling: list[Request] = []  # waiting for their grammar; they hold nobody up
         self.compile_failures: list[EngineCoreOutput] = []  # for the next step's outputs
@@ -51,7 +56,7 @@ class Scheduler:
         if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
             self.compiling.append(req)
         else:
-            self.waiting.append(req)
+            self.waiting.add(req)
 
     def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
         """Abort (or stop) requests wherever they are; frees their blocks at once."""
@@ -91,7 +96,7 @@ class Scheduler:
             error = req.grammar_ready.exception() if req.grammar_ready is not None else None
             if error is None:
                 req.status = RequestStatus.WAITING
-                self.waiting.append(req)
+                self.waiting.add(req)
                 continue
             logger.error("request %s: grammar failed to compile: %s", req.request_id, error)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -109,14 +114,18 @@ class Scheduler:
         preempted: list[str] = []
 
         # 1. running: decodes before chunks of unfinished prefills, each group in admission order
-        for req in sorted(self.running, key=lambda r: r.is_prefilling):
+        #    (by rank under the priority policy)
+        for req in sorted(self.running, key=self._running_order):
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while (new_blocks := self.kv.allocate_slots(req, n)) is None:
-                victim = next(r for r in reversed(self.running) if r.request_id not in num_tokens)
+                victim = self._victim(num_tokens)
+                if victim.request_id in num_tokens:  # undo its part of this step
+                    budget += num_tokens.pop(victim.request_id)
+                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -127,15 +136,15 @@ class Scheduler:
                                                      req.num_computed_tokens))
                 budget -= n
 
-        # 2. waiting, first come first served; not in a step that had to preempt
+        # 2. waiting, in the policy's order; not in a step that had to preempt
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, n, hits) is None:
                 break  # head of line waits for room: later requests do not overtake it
-            self.waiting.popleft()
+            self.waiting.pop()
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -155,6 +164,16 @@ class Scheduler:
         return SchedulerOutput(new_reqs, cached_reqs, num_tokens, self.max_num_batched_tokens - budget,
                                preempted, finished)
 
+    def _running_order(self, req: Request):
+        if self.policy == "priority":
+            return req.is_prefilling, priority_key(req, self.priority_aging)
+        return req.is_prefilling
+
+    def _victim(self, scheduled: dict[str, int]) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: priority_key(r, self.priority_aging))
+        return next(r for r in reversed(self.running) if r.request_id not in scheduled)
+
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req)
@@ -162,7 +181,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.add_preempted(req)
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance progress after the model ran; append each sampled token and check the stop
@@ -212,4 +231,19 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         used = self.kv.num_used_blocks()
         return SchedulerStats(len(self.running), len(self.waiting) + len(self.compiling), self.kv.usage, used,
-                              self.kv.num_blocks, self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions)
+                              self.kv.num_blocks, self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions,
+                              self.load())
+
+    def load(self) -> SchedulerLoad:
+        """The work held, in tokens (what SLO admission predicts from)."""
+        run_ctx = run_pf = run_left = wait_prompt = wait_dec = 0
+        for r in self.running:
+            run_ctx += r.num_computed_tokens
+            run_pf += max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+            run_left += r.max_tokens - r.num_output_tokens
+        for queue in (self.waiting, self.compiling):
+            for r in queue:
+                wait_prompt += r.num_tokens - r.num_computed_tokens
+                wait_dec += r.max_tokens - r.num_output_tokens
+        return SchedulerLoad(len(self.running), len(self.waiting) + len(self.compiling), run_ctx, run_pf, run_left,
+                             wait_prompt, wait_dec)

@@ -7,7 +7,7 @@ step. A failing step fails only its batch's requests; an error outside a step ki
 (`errored`), fails every request, and later calls raise EngineDeadError.
 
 The HTTP layer uses only this class's public surface: generation, tokenization and detokenization
-(front-end objects that stay in this process), model facts, and the core's statistics.
+(front-end objects that stay in this process), model facts, and the core's statistics and load.
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import logging
 import queue
 import threading
 import uuid
+from collections import deque
+from collections.abc import Callable
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.messages import SchedulerStats
+from tokenmill.core.messages import SchedulerLoad, SchedulerStats
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.stats import StatLogger
 from tokenmill.errors import EngineDeadError, EngineStepError, InvalidRequestError
@@ -41,6 +43,12 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_error: BaseException | None = None
+        # load(): adds submitted (event loop) and drained by the engine thread, counted alike in
+        # inbox order, so the core's last reported load plus the adds it had not drained is exact
+        self._num_submitted = 0
+        self._num_drained = 0
+        self._pending: deque[tuple[int, int, int, int]] = deque()  # (add number, prompt, max tokens, seqs)
+        self._reported: tuple[int, SchedulerLoad] = (0, SchedulerLoad())
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> AsyncLLMEngine:
@@ -100,6 +108,21 @@ class AsyncLLMEngine:
         """The core's queue and KV-cache state, read now."""
         return self.engine.scheduler_stats()
 
+    def load(self) -> SchedulerLoad:
+        """The work the core holds, as it reported with its last step, plus the requests submitted
+        since that it had not taken in yet (plain data; call from the event loop)."""
+        drained, load = self._reported
+        while self._pending and self._pending[0][0] <= drained:
+            self._pending.popleft()
+        if not self._pending:
+            return load
+        prompt = sum(p * n for _, p, _, n in self._pending)
+        decode = sum(m * n for _, _, m, n in self._pending)
+        seqs = sum(n for *_, n in self._pending)
+        return SchedulerLoad(load.num_running, load.num_waiting + seqs, load.running_context_tokens,
+                             load.running_prefill_tokens, load.running_decode_tokens_left,
+                             load.waiting_prompt_tokens + prompt, load.waiting_decode_tokens + decode)
+
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Called with every step's statistics, on the engine thread. Add before start()."""
         self.engine.stat_loggers.append(stat_logger)
@@ -136,9 +159,12 @@ class AsyncLLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                 add_special_tokens: bool = True) -> RequestStream:
+                 add_special_tokens: bool = True, priority: int = 0,
+                 admit: Callable[[int, int, int], None] | None = None) -> RequestStream:
         """Validate and submit a request; returns an async iterator of its outputs (deltas unless
-        FINAL_ONLY). Bad input raises here, before anything is streamed."""
+        FINAL_ONLY). Bad input raises here, before anything is streamed. `priority`: lower is served
+        first (priority scheduling policy). `admit(prompt tokens, max tokens, sequences)` is called
+        once the request is validated, before it is submitted; raising there rejects it."""
         if self.dead_error is not None:
             raise EngineDeadError("the engine is not running") from self.dead_error
         if params.output_kind == RequestOutputKind.CUMULATIVE:  # streams carry deltas
@@ -147,9 +173,16 @@ class AsyncLLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is in flight", param="request_id")
-        processed = self.engine.process(request_id, prompt, params, add_special_tokens=add_special_tokens)
+        processed = self.engine.process(request_id, prompt, params, add_special_tokens=add_special_tokens,
+                                        priority=priority)
+        children = processed.children
+        if admit is not None:
+            admit(len(processed.prompt_token_ids), children[0].max_tokens, len(children))
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream.queue
+        self._num_submitted += 1
+        self._pending.append((self._num_submitted, len(processed.prompt_token_ids), children[0].max_tokens,
+                              len(children)))
         self._submit(("add", processed))
         return stream
 
@@ -182,6 +215,8 @@ class AsyncLLMEngine:
             if kind == "abort":
                 self.engine.abort_request(arg)
                 continue
+            if kind == "add":
+                self._num_drained += 1
             if kind == "kv_block_states":
                 self._post(_resolve, arg, self.engine.kv_block_states())
                 continue
@@ -195,14 +230,18 @@ class AsyncLLMEngine:
             while not self._stopping:
                 self._drain_inbox()
                 if not self.engine.has_unfinished_requests():
+                    self._reported = (self._num_drained, SchedulerLoad())  # e.g. after aborts, with no step
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
+                drained = self._num_drained
                 try:
                     outputs = self.engine.step()
                 except EngineStepError as e:
                     self._post(self._fail, e.request_ids, e)
                     continue
+                if self.engine.last_scheduler_stats is not None:
+                    self._reported = (drained, self.engine.last_scheduler_stats.load)
                 if outputs:
                     self._post(self._dispatch, outputs)
         except BaseException as e:  # a bug outside the model step: the engine state is suspect

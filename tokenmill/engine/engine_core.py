@@ -32,8 +32,9 @@ class EngineCore:
         self.worker = Worker(config, source, model_config, progress=progress)
         self.max_model_len = self.worker.max_model_len
         self.kv = KVCacheManager(self.worker.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                                   self.max_model_len)
+        sc = config.scheduler
+        self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs, self.max_model_len,
+                                   sc.scheduling_policy, sc.priority_aging)
         self.num_steps = 0
 
     def add_request(self, request: EngineCoreRequest) -> None:

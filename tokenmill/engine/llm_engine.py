@@ -48,11 +48,13 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len,
-                                        config.model.max_logprobs, eos, chat_template)
+                                        config.model.max_logprobs, eos, chat_template,
+                                        config.scheduler.scheduling_policy == "priority")
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[StatLogger] = []
         self.served_model_name = config.model.served_model_name or self.source.name
         self.last_iteration_stats = IterationStats()
+        self.last_scheduler_stats: SchedulerStats | None = None  # as the core reported it with the last step
         logger.info("engine ready in %.1fs", time.monotonic() - t0)
 
     @classmethod
@@ -65,10 +67,12 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                arrival_time: float | None = None, add_special_tokens: bool = True) -> ProcessedRequest:
-        """Tokenize and validate (thread-safe; raises InvalidRequestError for bad input)."""
+                arrival_time: float | None = None, add_special_tokens: bool = True, priority: int = 0
+                ) -> ProcessedRequest:
+        """Tokenize and validate (thread-safe; raises InvalidRequestError for bad input). `priority`:
+        lower is served first, under the priority scheduling policy (else it must be 0)."""
         return self.processor.process(request_id, prompt, params or SamplingParams(), arrival_time,
-                                      add_special_tokens)
+                                      add_special_tokens, priority)
 
     def add_processed(self, p: ProcessedRequest) -> None:
         if p.request_id in self.output_processor.requests:
@@ -78,8 +82,8 @@ class LLMEngine:
             self.core.add_request(child)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, add_special_tokens: bool = True) -> None:
-        self.add_processed(self.process(request_id, prompt, params, arrival_time, add_special_tokens))
+                    arrival_time: float | None = None, add_special_tokens: bool = True, priority: int = 0) -> None:
+        self.add_processed(self.process(request_id, prompt, params, arrival_time, add_special_tokens, priority))
 
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):
@@ -112,6 +116,7 @@ class LLMEngine:
         if to_abort:  # stop strings: the core keeps generating until told
             self.core.abort_requests(to_abort)
         self.last_iteration_stats = it_stats
+        self.last_scheduler_stats = core_outs.scheduler_stats
         for stat_logger in self.stat_loggers:
             stat_logger.record(core_outs.scheduler_stats, it_stats)
         return outputs

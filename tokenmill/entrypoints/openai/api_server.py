@@ -58,6 +58,7 @@ class ServerState:
         self.model_name = engine_config.model.served_model_name
         self.open_paths = set(_OPEN_PATHS)  # reachable without the API key
         self.extra_stat_loggers: list = []  # attached to the engine before it starts (e.g. the dashboard's)
+        self.slo_gate = None  # --slo: SLOGate, the `admit` check of every generation request
 
     def ready(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -72,6 +73,12 @@ class ServerState:
         def build():
             try:
                 engine = AsyncLLMEngine.from_config(self.engine_config)
+                if self.config.slo is not None:
+                    from tokenmill.entrypoints.openai.slo_admission import SLOGate
+                    from tokenmill.planning.admission import parse_admission_slo
+
+                    self.slo_gate = SLOGate(engine, self.engine_config, parse_admission_slo(self.config.slo),
+                                            self.config.profile)
                 loop.call_soon_threadsafe(done.set_result, engine)
             except BaseException as e:  # noqa: BLE001 - reported on the loop
                 loop.call_soon_threadsafe(done.set_exception, e)

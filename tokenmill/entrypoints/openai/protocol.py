@@ -59,6 +59,7 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0  # lower is served first (--scheduling-policy priority)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs (and its older guided_*)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -62,16 +62,17 @@ class ServingBase:
             raise QueueFullError(f"too many waiting requests ({self.config.max_queue_len}); retry later",
                                  retry_after=max(1, self.engine.num_waiting // 64))
 
-    def submit(self, request_id: str, prompts: list, params: SamplingParams,
-               add_special_tokens: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Submit every prompt as its own engine request (bad input raises here, before anything
-        streams); returns an iterator of (prompt index, output) within the request timeout.
-        Leaving it early aborts every request."""
+    def submit(self, request_id: str, prompts: list, params: SamplingParams, add_special_tokens: bool = True,
+               priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Submit every prompt as its own engine request (bad input, or an SLO the load would break,
+        raises here, before anything streams); returns an iterator of (prompt index, output) within
+        the request timeout. Leaving it early aborts every request."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(self.engine.generate(prompt, params, rid, add_special_tokens=add_special_tokens))
+                streams.append(self.engine.generate(prompt, params, rid, add_special_tokens=add_special_tokens,
+                                                    priority=priority, admit=self.state.slo_gate))
         except BaseException:
             for s in streams:
                 s.close()

@@ -37,7 +37,7 @@ class CompletionServing(ServingBase):
         prompts, params, echo_only = self.prepare(req)
         request_id = self.new_id()
         # submit every prompt now, so that bad input fails before a stream starts
-        streams = self.submit(request_id, prompts, params)
+        streams = self.submit(request_id, prompts, params, priority=req.priority)
         if req.stream:
             return self._stream(req, request_id, streams, echo_only, t0)
         results: list[RequestOutput | None] = [None] * len(prompts)
