@@ -106,7 +106,9 @@ class SLOAdmission:
         # the batch it joins: everyone admitted ahead plus it, at the contexts they will have
         joined = min(s.num_running + s.num_waiting + 1, self.max_seqs)
         later_ctx = max(ctx, prompt_tokens + max_tokens / 2)
-        rate = self.prompt_token_rate(now)
+        # prompts arriving meanwhile add prefill chunks to its steps; an idle engine has no such
+        # traffic to extrapolate (what arrives next is judged by this same check)
+        rate = self.prompt_token_rate(now) if s.num_running + s.num_waiting else 0.0
         tpot = self._step(joined, later_ctx, 0, chunk)
         for _ in range(4):  # fixed point: arriving prompt tokens per step depend on the step time
             tpot = self._step(joined, later_ctx, min(rate * tpot, self.budget - joined), chunk)
