@@ -121,8 +121,18 @@ def knee_of(rates: list[float], attainments: list[float], target: float) -> floa
     return best
 
 
+def simulated_knee(a, profile: str) -> float:
+    sim = json.loads(sh("simulate", *a.engine, "--profile", profile, "--request-rate", "1",
+                        "--num-prompts", str(a.num_prompts), "--workload-seed", "1", *workload_flags(a),
+                        "--slo", a.slo, "--slo-attainment", str(a.attainment), "--json"))["results"][0]
+    return sim["knee"]["load"]
+
+
 def run_knee(a, tmp: Path) -> dict:
     profile = calibrate(a, tmp)
+    if a.rates == "auto":  # around the simulated knee
+        k = simulated_knee(a, profile)
+        a.rates = ",".join(f"{f * k:.3g}" for f in (0.5, 0.75, 1.0, 1.25, 1.5, 2.0))
     rates = [float(r) for r in a.rates.split(",")]
     port, proc = serve(a, tmp)
     try:
@@ -157,12 +167,7 @@ def run_admission(a, tmp: Path) -> dict:
     """Open-loop load at 1x, 2x, 4x the sustainable rate (the simulated goodput knee, or --base-rate),
     against `serve` without admission and with `--slo`, the same arrivals for both."""
     profile = calibrate(a, tmp)
-    base = a.base_rate
-    if base is None:
-        sim = json.loads(sh("simulate", *a.engine, "--profile", profile, "--request-rate", "1",
-                            "--num-prompts", str(a.num_prompts), "--workload-seed", "1", *workload_flags(a),
-                            "--slo", a.slo, "--slo-attainment", str(a.attainment), "--json"))["results"][0]
-        base = sim["knee"]["load"]
+    base = a.base_rate if a.base_rate is not None else simulated_knee(a, profile)
     rates = [round(f * base, 3) for f in (float(x) for x in a.rate_factors.split(","))]
     admission_slo = ",".join(b for b in a.slo.split(",") if b.split("=")[0] in ("ttft", "tpot"))
     runs = {}
@@ -195,7 +200,7 @@ def main() -> None:
     ap.add_argument("what", choices=["estimate", "knee", "admission"])
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--prompts-per-slot", type=int, default=2, help="bench/estimate run max(16, this x C) requests")
-    ap.add_argument("--rates", default="0.5,1,1.5,2,2.5,3")
+    ap.add_argument("--rates", default="auto", help="knee: request rates, or auto (0.5x..2x the simulated knee)")
     ap.add_argument("--num-prompts", type=int, default=60)
     ap.add_argument("--rate-factors", default="1,2,4", help="admission: multiples of the sustainable rate")
     ap.add_argument("--base-rate", type=float, default=None,

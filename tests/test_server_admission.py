@@ -53,7 +53,8 @@ def test_overload_is_rejected_at_once_and_admitted_again_once_drained(server):
     assert all(r.json()["usage"]["completion_tokens"] == 8 for r in admitted)
     # a rejection does not wait for the queue: it comes back before the admitted work is done
     assert min(r.elapsed.total_seconds() for r, _ in rejected) < max(r.elapsed.total_seconds() for r in admitted)
-    server.wait_idle(60)
+    m = server.wait_idle(60)
+    assert m["tokenmill:slo_admission_rejected_total"] == len(rejected)
     assert post(server, "/v1/completions", body).status_code == 200  # drained: admitted again
     # streaming requests are judged before their stream starts: a plain 429, not an SSE error
     with ThreadPoolExecutor(32) as pool:

@@ -16,7 +16,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from tokenmill import __version__
 from tokenmill.config import EngineConfig, ServerConfig
@@ -87,6 +87,10 @@ class ServerState:
         aengine: AsyncLLMEngine = await done
         self.model_name = aengine.served_model_name
         self.metrics = PrometheusStatLogger(self.model_name, aengine.scheduler_stats)
+        if self.slo_gate is not None:
+            self.slo_gate.rejections = Counter(
+                "tokenmill:slo_admission_rejected", "Requests rejected with 429 by --slo admission.",
+                ["model_name"], registry=self.metrics.registry).labels(model_name=self.model_name)
         for stat_logger in (self.metrics, LoggingStatLogger(), *self.extra_stat_loggers):
             aengine.add_stat_logger(stat_logger)
         aengine.start()

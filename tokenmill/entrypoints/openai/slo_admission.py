@@ -36,6 +36,7 @@ class SLOGate:
         self.predictor = SLOAdmission(choice.model, slo, config.scheduler.max_num_batched_tokens,
                                       config.scheduler.max_num_seqs, margin)
         self.admitted = self.rejected = 0
+        self.rejections = None  # a Prometheus counter, once the server has its registry
         bounds = ", ".join(f"{k} {1000 * v:g} ms" for k, v in slo.items())
         logger.info("SLO admission (%s) with the %s", bounds, choice.description)
 
@@ -44,6 +45,8 @@ class SLOGate:
         p = self.predictor.predict(self.engine.load(), prompt_tokens, max_tokens, now)
         if not p.admit:
             self.rejected += 1
+            if self.rejections is not None:
+                self.rejections.inc()
             retry = max(1, math.ceil(p.retry_after))
             raise SLORejectedError(f"{p.reason} under the current load; retry in {retry} s", retry_after=retry)
         self.admitted += 1
