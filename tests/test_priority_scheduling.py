@@ -125,7 +125,7 @@ def test_aging_bounds_starvation():
 
 @pytest.fixture(scope="module")
 def prio_llm():
-    return LLM(dtype="float32", progress=False, kv_cache_memory="256MiB", max_model_len=2048,
+    return LLM(dtype="float32", quantization="none", progress=False, kv_cache_memory="256MiB", max_model_len=2048,
                scheduling_policy="priority", max_num_seqs=1)
 
 
@@ -144,7 +144,7 @@ def test_engine_serves_by_priority_and_greedy_results_do_not_change(prio_llm, sm
 def test_priority_under_preemption_keeps_greedy_results(smol_fp32):
     """A KV pool of 320 tokens for ~500 tokens of work: the lowest priorities are preempted and
     recomputed, and greedy tokens equal those of an unconstrained engine."""
-    llm = LLM(dtype="float32", progress=False, kv_cache_memory=20 * 16 * 46080, max_model_len=256,
+    llm = LLM(dtype="float32", quantization="none", progress=False, kv_cache_memory=20 * 16 * 46080, max_model_len=256,
               scheduling_policy="priority", priority_aging=0)
     prompts = [f"Question {i}: what is {i} plus {i}? Answer:" for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
