@@ -2,7 +2,7 @@
 
 Every step builds one batch under a token budget (max_num_batched_tokens) and a sequence cap
 (max_num_seqs): running requests that decode come first (one token each), then running requests
-still prefilling (a chunk each), then waiting requests in arrival order (prefix-cache hits first,
+still prefilling (a chunk each), then waiting requests in queue order (prefix-cache hits first,
 then a chunk of the rest). When the KV pool runs out, a running request is preempted: its blocks are
 freed and it goes back to the waiting queue, to be recomputed later (cheaply, through the prefix
 cache). Which one, and the waiting queue's order, follow the scheduling policy (request_queue.py):
