@@ -71,7 +71,7 @@ def test_roofline_is_monotone_and_memory_bound_at_one_token(tiny_llama_dir):
 @pytest.mark.parametrize("dtype,extra", [("float32", {}), ("bfloat16", {}),
                                          ("bfloat16", {"quantization": "int8", "kv_cache_dtype": "int8"}),
                                          ("float32", {"quantization": "int4", "quant_group_size": 32}),
-                                         ("bfloat16", {"quantization": "int4", "kv_cache_dtype": "fp8_e4m3"})])
+                                         ("bfloat16", {"quantization": "int8", "kv_cache_dtype": "fp8_e4m3"})])
 def test_planner_memory_matches_the_engine(tiny_qwen2_dir, dtype, extra):
     """Weight bytes, KV bytes per token and blocks: what estimate computes without loading weights
     is what the engine allocates, also with quantized weights and a quantized KV cache."""
