@@ -85,13 +85,18 @@ class GrammarBitmasks:
         """Masks row i of `logits` to what grammars[i] allows (rows without a live grammar stay)."""
         pending, self._pending = self._pending, None
         if pending is not None and _same(pending[0], grammars):
-            rows = pending[1].result()
+            rows, banned = pending[1].result()
         else:
             if pending is not None:
                 _wait(pending[1])
-            rows = self._fill(grammars)
-        if rows:
-            xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=self.vocab_size, indices=rows)
+            rows, banned = self._fill(grammars)
+        if not rows:
+            return
+        if len(rows) == logits.shape[0]:
+            logits[:, :self.vocab_size].masked_fill_(banned, float("-inf"))
+        else:
+            idx = torch.tensor(rows, device=logits.device)
+            logits[idx, :self.vocab_size] = logits[idx, :self.vocab_size].masked_fill_(banned, float("-inf"))
 
     def close(self) -> None:
         self._collect()
@@ -99,20 +104,30 @@ class GrammarBitmasks:
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def _fill(self, grammars: list[GrammarState | None]) -> list[int]:
+    def _fill(self, grammars: list[GrammarState | None]) -> tuple[list[int], torch.Tensor | None]:
+        """The live rows and, per live row, which tokens are banned (bool [rows, vocab]).
+        Unpacked with torch: xgrammar's CPU apply kernel tests bit by bit (~17 ms for 64 rows of
+        a 49k vocabulary on a 2-core Xeon), the shifts below take a few ms and run here, off the
+        sampler's path."""
         rows = [i for i, g in enumerate(grammars) if g is not None and g.live]
-        if rows:
-            if self.bitmask.shape[0] < len(grammars):
-                self.bitmask = xgr.allocate_token_bitmask(max(len(grammars), 2 * self.bitmask.shape[0]),
-                                                          self.vocab_size)
-            self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], self.bitmask, rows)
-        return rows
+        if not rows:
+            return rows, None
+        if self.bitmask.shape[0] < len(rows):
+            self.bitmask = xgr.allocate_token_bitmask(max(len(rows), 2 * self.bitmask.shape[0]), self.vocab_size)
+        words = self.bitmask[:len(rows)]
+        self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], words)
+        bits = words.unsqueeze(-1).bitwise_right_shift(_SHIFTS).bitwise_and_(1)  # bit j of word w: token 32w + j
+        banned = bits.view(len(rows), -1)[:, :self.vocab_size] == 0
+        return rows, banned
 
     def _collect(self) -> None:
         """Waits for a fill nobody collected (e.g. the forward raised): it must not race the next."""
         pending, self._pending = self._pending, None
         if pending is not None:
             _wait(pending[1])
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def _same(a: list, b: list) -> bool:
