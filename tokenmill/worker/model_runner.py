@@ -61,15 +61,17 @@ class ModelRunner:
         input_ids, positions, layout = self.prepare_inputs(batch)
         if self.fail_on_token is not None and bool((input_ids == self.fail_on_token).any()):
             raise RuntimeError(f"injected fault: token {self.fail_on_token} in the batch")
+        rows = [i for i, (state, n) in enumerate(batch) if state.samples(n)]
+        states = [batch[i][0] for i in rows]
+        if rows:
+            self.sampler.prepare(states)
         meta = self.backend.build_metadata(layout)
         hidden = self.model(input_ids, positions, meta)
 
         ends = np.cumsum(layout.query_lens)
-        rows = [i for i, (state, n) in enumerate(batch) if state.samples(n)]
         if rows:
             idx = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
             logits = self.model.compute_logits(hidden[idx])
-            states = [batch[i][0] for i in rows]
             result = self.sampler(logits, SamplingBatch.build(states, self.vocab_size, self.device))
             for state, tok, lp in zip(states, result.token_ids, result.logprobs):
                 state.append(tok)

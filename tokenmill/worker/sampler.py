@@ -65,6 +65,12 @@ class Sampler:
         self.generator = generator  # for requests without a seed
         self.processors = list(default_processors() if processors is None else processors)
 
+    def prepare(self, states: list[RequestState]) -> None:
+        """Before the forward of a step that will sample `states`: lets the processors start
+        work that needs no logits (a grammar's bitmask) so it overlaps the forward."""
+        for processor in self.processors:
+            processor.prepare(states)
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
