@@ -47,7 +47,7 @@ def _check_clean(llm):
 
 @pytest.fixture(scope="module")
 def reference_fp32():
-    llm = LLM(dtype="float32", enable_prefix_caching=False, progress=False, **BASE)
+    llm = LLM(dtype="float32", quantization="none", enable_prefix_caching=False, progress=False, **BASE)
     prompts = _prompts(llm.get_tokenizer())
     outs = _run(llm, prompts)
     del llm
@@ -58,7 +58,7 @@ def reference_fp32():
 @pytest.mark.parametrize("name", ["prefix-cache-on", "chunk-16", "tiny-pool"])
 def test_ngram_greedy_identical_to_no_speculation(reference_fp32, name):
     prompts, ref = reference_fp32
-    llm = LLM(dtype="float32", speculative_config=NGRAM, progress=False, **{**BASE, **CONFIGS[name]})
+    llm = LLM(dtype="float32", quantization="none", speculative_config=NGRAM, progress=False, **{**BASE, **CONFIGS[name]})
     outs = _run(llm, prompts)
     for i, (out, r) in enumerate(zip(outs, ref)):
         assert out.token_ids == r.token_ids, f"request {i} ({len(prompts[i])} prompt tokens)"
@@ -92,7 +92,7 @@ def test_ngram_greedy_identical_in_bf16_batch_invariant():
 
 def test_abort_during_speculation_frees_everything(reference_fp32):
     prompts, ref = reference_fp32
-    llm = LLM(dtype="float32", speculative_config=NGRAM, progress=False, **BASE)
+    llm = LLM(dtype="float32", quantization="none", speculative_config=NGRAM, progress=False, **BASE)
     engine = llm.engine
     for i in range(8):
         engine.add_request(str(i), prompts[i], GREEDY)
@@ -188,7 +188,7 @@ def test_draft_model_greedy_identical_to_no_speculation(reference_fp32, smol_pat
     for draft, kv_bytes, kept in ((str(smol_path), 46080, 0.5), (str(tiny_llama_dir), 3072, 0.0)):
         spec = f'{{"model": "{draft}", "num_speculative_tokens": 3}}'
         args = {**BASE, **CONFIGS["tiny-pool"], "kv_cache_memory": 45 * 16 * (46080 + kv_bytes)}
-        llm = LLM(dtype="float32", speculative_config=spec, progress=False, **args)
+        llm = LLM(dtype="float32", quantization="none", speculative_config=spec, progress=False, **args)
         outs = _run(llm, prompts[:32])
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref[:32]], draft
         stats = llm.engine.core.stats().spec_decoding
@@ -212,7 +212,7 @@ def test_draft_with_another_vocabulary_is_refused():
 
 
 def test_seeded_sampling_with_speculation_is_reproducible_in_any_batch(smol_path):
-    llm = LLM(dtype="float32", speculative_config=NGRAM, progress=False, **BASE)
+    llm = LLM(dtype="float32", quantization="none", speculative_config=NGRAM, progress=False, **BASE)
     prompt = "one two three one two three one two three one two"
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24)
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
