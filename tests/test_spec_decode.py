@@ -58,7 +58,8 @@ def reference_fp32():
 @pytest.mark.parametrize("name", ["prefix-cache-on", "chunk-16", "tiny-pool"])
 def test_ngram_greedy_identical_to_no_speculation(reference_fp32, name):
     prompts, ref = reference_fp32
-    llm = LLM(dtype="float32", quantization="none", speculative_config=NGRAM, progress=False, **{**BASE, **CONFIGS[name]})
+    llm = LLM(dtype="float32", quantization="none", speculative_config=NGRAM, progress=False,
+              **{**BASE, **CONFIGS[name]})
     outs = _run(llm, prompts)
     for i, (out, r) in enumerate(zip(outs, ref)):
         assert out.token_ids == r.token_ids, f"request {i} ({len(prompts[i])} prompt tokens)"

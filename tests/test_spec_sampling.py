@@ -22,7 +22,8 @@ from .test_rejection_sampler import chi2_critical
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
 PROMPT = "a b c d e a b c d e a b c d e a b c d e a b"
 N = 2000
-ARGS = dict(dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=128, max_num_seqs=128, progress=False)
+ARGS = dict(dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=128, max_num_seqs=128,
+            progress=False)
 
 
 def homogeneity(a: Counter, b: Counter, min_expected: float = 5.0) -> tuple[float, int]:
