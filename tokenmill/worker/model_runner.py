@@ -42,20 +42,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                           storage: torch.dtype | None = None) -> None:
-        layers = self.model.kv_caches()
-        if storage is not None:  # int8 / fp8 (+ scales), or bf16 under an fp32 model
-            from tokenmill.model.attention.quant_kv import allocate
-
-            caches = allocate(len(layers), num_blocks, self.block_size, num_kv_heads, head_dim, storage, self.device)
-            self.kv_cache = caches[0].data  # keeps the pool alive (each layer's cache is a view of it)
-            for layer, cache in zip(layers, caches):
-                layer.kv_cache = cache
-            return
-        # zeros, not empty: masked-out slots are still read, and garbage NaNs would poison softmax
-        self.kv_cache = torch.zeros(len(layers), 2, num_blocks, self.block_size, num_kv_heads, head_dim,
-                                    dtype=dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.kv_cache = self.kv_cache[i]
+        self.kv_cache = allocate_kv_cache(self.model, num_blocks, self.block_size, num_kv_heads, head_dim, dtype,
+                                          storage, self.device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -157,3 +145,22 @@ def flat_batch(rows: list[tuple[list[int], int, list[int], bool]], block_size: i
     positions = torch.from_numpy(np.concatenate(pos)).to(device)
     slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)
     return input_ids, positions, BatchLayout(q_lens, seq_lens, tables, slot_mapping, num_decodes)
+
+
+def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, storage: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """A paged KV cache for every attention layer of `model`, bound to the layers; returns the
+    tensor that keeps it alive."""
+    layers = model.kv_caches()
+    if storage is not None:  # int8 / fp8 (+ scales), or bf16 under an fp32 model
+        from tokenmill.model.attention.quant_kv import allocate
+
+        caches = allocate(len(layers), num_blocks, block_size, num_kv_heads, head_dim, storage, device)
+        for layer, cache in zip(layers, caches):
+            layer.kv_cache = cache
+        return caches[0].data  # each layer's cache is a view of it
+    # zeros, not empty: masked-out slots are still read, and garbage NaNs would poison softmax
+    kv_cache = torch.zeros(len(layers), 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        layer.kv_cache = kv_cache[i]
+    return kv_cache

@@ -30,19 +30,10 @@ class DraftModelProposer:
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                           storage: torch.dtype | None = None) -> None:
-        layers = self.model.kv_caches()
-        if storage is not None:  # the target's KV cache dtype (int8 / fp8 / bf16 under fp32)
-            from tokenmill.model.attention.quant_kv import allocate
+        from tokenmill.worker.model_runner import allocate_kv_cache
 
-            caches = allocate(len(layers), num_blocks, self.block_size, num_kv_heads, head_dim, storage, self.device)
-            self.kv_cache = caches[0].data
-            for layer, cache in zip(layers, caches):
-                layer.kv_cache = cache
-            return
-        self.kv_cache = torch.zeros(len(layers), 2, num_blocks, self.block_size, num_kv_heads, head_dim,
-                                    dtype=dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.kv_cache = self.kv_cache[i]
+        self.kv_cache = allocate_kv_cache(self.model, num_blocks, self.block_size, num_kv_heads, head_dim, dtype,
+                                          storage, self.device)
 
     @torch.inference_mode()
     def propose(self, states: list[RequestState]) -> list[list[int]]:
