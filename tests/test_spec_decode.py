@@ -218,7 +218,8 @@ def test_seeded_sampling_with_speculation_is_reproducible_in_any_batch(smol_path
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24)
     alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = [SamplingParams(temperature=1.0, max_tokens=24, seed=None)] * 6
-    batch = llm.generate([prompt] * 3 + ["a b a b a b"] * 4, others[:3] + [seeded] + others[3:], use_tqdm=False)
+    prompts = ["a b a b a b"] * 3 + [prompt] + ["a b a b a b"] * 3
+    batch = llm.generate(prompts, others[:3] + [seeded] + others[3:], use_tqdm=False)
     assert batch[3].outputs[0].token_ids == alone
     assert llm.engine.core.stats().spec_decoding.num_accepted_tokens > 0
     _check_clean(llm)
