@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tokenmill.core.messages import SchedulerStats
+from tokenmill.core.messages import SchedulerStats, SpecDecodingStats
 from tokenmill.engine.stats import IterationStats, StatLogger
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -55,6 +55,13 @@ class PrometheusStatLogger(StatLogger):
         self.req_prompt = hist("request_prompt_tokens", "Prompt length of finished requests.", _TOKENS)
         self.req_gen = hist("request_generation_tokens", "Generated tokens of finished requests.", _TOKENS)
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications (a request's drafts).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_per_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the draft.", ["model_name", "position"],
+                                    registry=r)
+        self._last_spec = SpecDecodingStats()
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         # the scheduler's counters are cumulative; Prometheus counters take increments
@@ -63,6 +70,8 @@ class PrometheusStatLogger(StatLogger):
         self.preemptions.inc(sched.num_preemptions - self._last_preemptions)
         self._last_queries, self._last_hits = sched.prefix_queries, sched.prefix_hits
         self._last_preemptions = sched.num_preemptions
+        if sched.spec_decoding is not None:
+            self._record_spec(sched.spec_decoding)
         self.prompt_tokens.inc(it.num_prompt_tokens)
         self.generation_tokens.inc(it.num_generation_tokens)
         for t in it.ttfts:
@@ -76,3 +85,15 @@ class PrometheusStatLogger(StatLogger):
             self.queue.observe(f.queue_time)
             self.req_prompt.observe(f.num_prompt_tokens)
             self.req_gen.observe(f.num_generation_tokens)
+
+    def _record_spec(self, spec: SpecDecodingStats) -> None:
+        last = self._last_spec
+        self.spec_drafts.inc(spec.num_drafts - last.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - last.num_draft_tokens)
+        self.spec_accepted.inc(spec.num_accepted_tokens - last.num_accepted_tokens)
+        before = last.num_accepted_tokens_per_pos
+        for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+            delta = n - (before[pos] if pos < len(before) else 0)
+            if delta:
+                self.spec_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(delta)
+        self._last_spec = spec
