@@ -131,9 +131,14 @@ class ParallelConfig:
     """How the work is spread over cores, processes and machines."""
 
     num_threads: int | None = opt("Torch intra-op threads (default: $OMP_NUM_THREADS if set, else all cores).")
+    engine_core_process: bool | None = opt("Run the engine core (scheduler and model) in a process of its own, "
+                                           "fed over ZMQ, so the HTTP front end never competes with it for the "
+                                           "GIL. Default: yes for `serve`, no for the offline LLM.")
 
     def validate(self) -> None:
         check_positive(self, "num_threads", allow_none=True)
+        if self.engine_core_process is not None:
+            check_bool(self, "engine_core_process")
 
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")
