@@ -126,6 +126,12 @@ class AsyncLLMEngine:
                              load.running_prefill_tokens, load.running_decode_tokens_left,
                              load.waiting_prompt_tokens + prompt, load.waiting_decode_tokens + decode)
 
+    @property
+    def replica_stats(self):
+        """With data-parallel replicas: a callable giving each replica's statistics (plain data);
+        else None."""
+        return getattr(self.engine.core_client, "replica_stats", None)
+
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Called with every step's statistics, on the engine thread. Add before start()."""
         self.engine.stat_loggers.append(stat_logger)

@@ -99,7 +99,9 @@ class MPClient(EngineCoreClient):
 
     runs_in_process = False
 
-    def __init__(self, config: EngineConfig, replica: int = 0):
+    def __init__(self, config: EngineConfig, replica: int = 0, wait: bool = True):
+        """wait=False: return once the process is started; call wait_ready() before use (so that
+        several replicas load at once)."""
         self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-core-")
         input_addr, output_addr = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
         self._ctx = zmq.Context()
@@ -126,6 +128,10 @@ class MPClient(EngineCoreClient):
         self._calls: dict[int, Callable] = {}
         self._next_call = 0
         self.dead_error: EngineDeadError | None = None
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
         try:
             ready = self._wait_ready()
         except BaseException:
@@ -133,6 +139,11 @@ class MPClient(EngineCoreClient):
             raise
         self.max_model_len, self.num_blocks = ready.max_model_len, ready.num_blocks
         self._stats.kv_blocks_total = ready.num_blocks
+
+    @property
+    def poll_items(self) -> tuple:
+        """What to poll for this core's messages and death: its output socket, its sentinel."""
+        return self._out, self.proc.sentinel
 
     def _wait_ready(self) -> wire.CoreReady:
         events = dict(self._poller.poll(_START_TIMEOUT_S * 1000))
@@ -190,19 +201,25 @@ class MPClient(EngineCoreClient):
             while True:
                 events = dict(self._poller.poll(_POLL_MS))
                 if self._out in events:
-                    out = self._receive()
+                    out = self.receive()
                     if out is not None:
                         return out
                     continue
                 if self.proc.sentinel in events:
-                    raise self._dead("request failed")
+                    raise self.died()
                 if interrupt is None or interrupt in events or not events:
                     return EngineCoreOutputs(scheduler_stats=self._stats)
         finally:
             if interrupt is not None:
                 self._poller.unregister(interrupt)
 
-    def _receive(self) -> EngineCoreOutputs | None:
+    def died(self) -> EngineDeadError:
+        """The error for requests in flight when this core's sentinel turned readable."""
+        return self._dead("request failed")
+
+    def receive(self) -> EngineCoreOutputs | None:
+        """One message from the core (call when its socket is readable): outputs, or None for a
+        call's result (its callback has run). Raises EngineStepError / EngineDeadError."""
         kind, payload = self._out.recv_multipart(copy=False)
         kind = kind.bytes
         if kind == wire.OUTPUTS:

@@ -35,6 +35,22 @@ def load_chat_template(template: str | None) -> str | None:
     return path.read_text() if path.is_file() else template
 
 
+def make_core_client(config: EngineConfig, source, model_config, progress: bool, multiprocess: bool
+                     ) -> EngineCoreClient:
+    parallel = config.parallel
+    if parallel.data_parallel_size > 1:
+        if parallel.distributed_executor_backend == "ray":
+            from tokenmill.engine.ray_client import RayDPClient
+
+            return RayDPClient(config, parallel.data_parallel_size, parallel.router_policy)
+        from tokenmill.engine.dp_client import DPClient
+
+        return DPClient(config, parallel.data_parallel_size, parallel.router_policy)
+    if multiprocess:
+        return MPClient(config)
+    return InprocClient(config, source, model_config, progress)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True, multiprocess: bool | None = None):
         """multiprocess: run the core in its own process (default: --engine-core-process, else no)."""
@@ -46,8 +62,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.source, config.model.tokenizer, config.model.trust_remote_code)
         if multiprocess is None:
             multiprocess = bool(config.parallel.engine_core_process)
-        self.core_client: EngineCoreClient = (MPClient(config) if multiprocess else
-                                              InprocClient(config, self.source, self.model_config, progress))
+        self.core_client: EngineCoreClient = make_core_client(config, self.source, self.model_config, progress,
+                                                              multiprocess)
         # the EngineCore itself, for offline tools that drive its parts (calibration); None when it
         # runs in another process
         self.core = getattr(self.core_client, "core", None)
