@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import tempfile
+import time
 import weakref
 from collections.abc import Callable
 
@@ -102,24 +103,19 @@ class MPClient(EngineCoreClient):
     def __init__(self, config: EngineConfig, replica: int = 0, wait: bool = True):
         """wait=False: return once the process is started; call wait_ready() before use (so that
         several replicas load at once)."""
-        self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-core-")
-        input_addr, output_addr = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
         self._ctx = zmq.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._out = self._ctx.socket(zmq.PULL)
         self._in.setsockopt(zmq.LINGER, 0)
         self._out.setsockopt(zmq.LINGER, 0)
-        self._in.bind(input_addr)
-        self._out.bind(output_addr)
+        input_addr, output_addr = self._bind()
         self.replica = replica
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=wire.run_engine_core, args=(config, input_addr, output_addr, replica),
-            name=f"tokenmill-core{replica}", daemon=True)
-        self.proc.start()
+        self.proc = self._start(config, input_addr, output_addr, replica)
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, self._ctx, self._ipc_dir)
         self._poller = zmq.Poller()
         self._poller.register(self._out, zmq.POLLIN)
-        self._poller.register(self.proc.sentinel, zmq.POLLIN)
+        if self.proc.sentinel is not None:
+            self._poller.register(self.proc.sentinel, zmq.POLLIN)
         self._encoder = msgspec.msgpack.Encoder()
         self._decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
         self._decode_failure = msgspec.msgpack.Decoder(wire.CoreFailure).decode
@@ -130,6 +126,24 @@ class MPClient(EngineCoreClient):
         self.dead_error: EngineDeadError | None = None
         if wait:
             self.wait_ready()
+
+    def _bind(self) -> tuple[str, str]:
+        self._ipc_dir = tempfile.mkdtemp(prefix="tokenmill-core-")
+        input_addr, output_addr = f"ipc://{self._ipc_dir}/in", f"ipc://{self._ipc_dir}/out"
+        self._in.bind(input_addr)
+        self._out.bind(output_addr)
+        return input_addr, output_addr
+
+    def _start(self, config: EngineConfig, input_addr: str, output_addr: str, replica: int):
+        proc = multiprocessing.get_context("spawn").Process(
+            target=wire.run_engine_core, args=(config, input_addr, output_addr, replica),
+            name=f"tokenmill-core{replica}", daemon=True)
+        proc.start()
+        return proc
+
+    def check_dead(self) -> bool:
+        """Whether the core is gone (for handles a poll cannot watch; processes have a sentinel)."""
+        return False
 
     def wait_ready(self) -> None:
         try:
@@ -143,10 +157,13 @@ class MPClient(EngineCoreClient):
     @property
     def poll_items(self) -> tuple:
         """What to poll for this core's messages and death: its output socket, its sentinel."""
-        return self._out, self.proc.sentinel
+        return (self._out,) if self.proc.sentinel is None else (self._out, self.proc.sentinel)
 
     def _wait_ready(self) -> wire.CoreReady:
-        events = dict(self._poller.poll(_START_TIMEOUT_S * 1000))
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        events = {}
+        while time.monotonic() < deadline and not events and not self.check_dead():
+            events = dict(self._poller.poll(1000))
         if self._out not in events:
             raise self._dead("engine core did not start", startup=True)
         kind, payload = self._out.recv_multipart()
@@ -158,16 +175,19 @@ class MPClient(EngineCoreClient):
 
     def _dead(self, what: str, startup: bool = False) -> EngineDeadError:
         if self.dead_error is None:
-            self.proc.join(0.5)
-            code = self.proc.exitcode
-            if code is None:
-                cause = "it is not responding"
-            elif code < 0:
-                cause = f"it was killed by {signal.Signals(-code).name}"
-            else:
-                cause = f"it exited with code {code}"
-            self.dead_error = EngineDeadError(f"{what}: the engine core process (pid {self.proc.pid}) died; {cause}")
+            self.dead_error = EngineDeadError(f"{what}: {self._death_cause()}")
         return self.dead_error
+
+    def _death_cause(self) -> str:
+        self.proc.join(0.5)
+        code = self.proc.exitcode
+        if code is None:
+            cause = "it is not responding"
+        elif code < 0:
+            cause = f"it was killed by {signal.Signals(-code).name}"
+        else:
+            cause = f"it exited with code {code}"
+        return f"the engine core process (pid {self.proc.pid}) died; {cause}"
 
     def _send(self, kind: bytes, obj) -> None:
         if self.dead_error is not None:
@@ -205,7 +225,7 @@ class MPClient(EngineCoreClient):
                     if out is not None:
                         return out
                     continue
-                if self.proc.sentinel in events:
+                if self.proc.sentinel in events or self.check_dead():
                     raise self.died()
                 if interrupt is None or interrupt in events or not events:
                     return EngineCoreOutputs(scheduler_stats=self._stats)
@@ -257,6 +277,8 @@ def _stop_process(proc, ctx, ipc_dir: str) -> None:
         proc.kill()
         proc.join(_STOP_TIMEOUT_S)
     ctx.destroy(linger=0)
+    if ipc_dir is None:
+        return
     for name in ("in", "out"):
         try:
             os.unlink(os.path.join(ipc_dir, name))

@@ -55,12 +55,15 @@ class CoreResult(msgspec.Struct, array_like=True):
     value: object
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, replica: int = 0) -> None:
-    """The process target (spawned: nothing of the parent's state is inherited)."""
-    # Ctrl-C reaches the whole process group and SIGTERM may too: the front end drains first, then
-    # stops this process itself, so it must not die on them.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, replica: int = 0,
+                    watch_parent: bool = True) -> None:
+    """The process target (spawned: nothing of the parent's state is inherited). watch_parent=False
+    in a Ray actor, whose life Ray ties to the driver's."""
+    if watch_parent:
+        # Ctrl-C reaches the whole process group and SIGTERM may too: the front end drains first,
+        # then stops this process itself, so it must not die on them.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s core{replica} %(name)s: %(message)s")
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
@@ -83,7 +86,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
         return
     out.send_multipart([READY, encoder.encode(CoreReady(core.max_model_len, core.kv.num_blocks))])
     try:
-        _busy_loop(core, inp, out, encoder)
+        _busy_loop(core, inp, out, encoder, watch_parent)
     except BaseException as e:  # noqa: BLE001
         logger.exception("engine core died")
         out.send_multipart([FATAL, encoder.encode(CoreFailure(type(e).__name__, str(e)))])
@@ -93,8 +96,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
         ctx.term()
 
 
-def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.Encoder) -> None:
-    parent = multiprocessing.parent_process()
+def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.Encoder,
+               watch_parent: bool) -> None:
+    parent = multiprocessing.parent_process() if watch_parent else None
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     if parent is not None:
@@ -106,7 +110,7 @@ def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.
     while True:
         busy = core.has_unfinished()
         events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
-        if parent is not None and parent.sentinel in events or os.getppid() != ppid:
+        if parent is not None and (parent.sentinel in events or os.getppid() != ppid):
             logger.error("the front end is gone; engine core exits")
             return
         changed = False

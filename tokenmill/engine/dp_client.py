@@ -38,9 +38,12 @@ class ReplicaStats(msgspec.Struct):
 class DPClient(EngineCoreClient):
     runs_in_process = False
 
+    client_class = MPClient  # one replica's client
+
     def __init__(self, config: EngineConfig, size: int, policy: str = "affinity", restart: bool = True):
         self.config = config
-        self.replicas: list[MPClient | None] = [MPClient(config, replica=i, wait=False) for i in range(size)]
+        self.replicas: list[MPClient | None] = [self.client_class(config, replica=i, wait=False)
+                                                for i in range(size)]
         try:
             for r in self.replicas:
                 r.wait_ready()
@@ -99,7 +102,7 @@ class DPClient(EngineCoreClient):
         for i, r in enumerate(self.replicas):
             if r is None:
                 continue
-            out_sock, sentinel = r.poll_items
+            out_sock, *sentinel = r.poll_items
             try:
                 while out_sock in events or (merged and out_sock.poll(0)):
                     events.pop(out_sock, None)
@@ -107,7 +110,7 @@ class DPClient(EngineCoreClient):
                     if out is not None:
                         self._account(i, out)
                         merged.extend(out.outputs)
-                if sentinel in events:
+                if any(x in events for x in sentinel) or r.check_dead():
                     raise r.died()
             except EngineStepError as e:  # one replica's batch failed
                 for rid in e.request_ids:
@@ -153,7 +156,7 @@ class DPClient(EngineCoreClient):
 
     def _restart(self, replica: int) -> None:
         try:
-            client = MPClient(self.config, replica=replica)
+            client = self.client_class(self.config, replica=replica)
         except BaseException as e:  # noqa: BLE001 - the replica stays out of the rotation
             logger.error("replica %d could not be restarted: %s", replica, e)
             return
