@@ -111,7 +111,7 @@ class MPClient(EngineCoreClient):
         input_addr, output_addr = self._bind()
         self.replica = replica
         self.proc = self._start(config, input_addr, output_addr, replica)
-        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self._ctx, self._ipc_dir)
+        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self._ctx, self._in, self._ipc_dir)
         self._poller = zmq.Poller()
         self._poller.register(self._out, zmq.POLLIN)
         if self.proc.sentinel is not None:
@@ -261,16 +261,17 @@ class MPClient(EngineCoreClient):
         raise self.dead_error
 
     def shutdown(self) -> None:
-        if self.proc.is_alive() and self.dead_error is None:
-            try:
-                self._in.send_multipart([wire.STOP, b""], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
         self._finalizer()
 
 
-def _stop_process(proc, ctx, ipc_dir: str) -> None:
-    """Join the core process (it was asked to stop), kill it if it does not, free the sockets."""
+def _stop_process(proc, ctx, input_socket, ipc_dir: str | None) -> None:
+    """Ask the core process to stop (shutdown, or this client dropped: e.g. an `LLM` at exit),
+    join it, kill it if it does not stop, free the sockets."""
+    if proc.is_alive():
+        try:
+            input_socket.send_multipart([wire.STOP, b""], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
     proc.join(_STOP_TIMEOUT_S)
     if proc.is_alive():
         logger.warning("engine core process %s did not stop; killing it", proc.pid)
