@@ -27,7 +27,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.messages import SchedulerLoad, SchedulerStats
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.stats import StatLogger
-from tokenmill.errors import EngineDeadError, EngineStepError, InvalidRequestError
+from tokenmill.errors import EngineDeadError, EngineStepError, InvalidRequestError, ServiceUnavailableError
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -152,7 +152,8 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+        return (self._thread is not None and self._thread.is_alive() and self.dead_error is None
+                and self.engine.core_client.healthy)
 
     @property
     def errored(self) -> bool:
@@ -233,7 +234,8 @@ class AsyncLLMEngine:
                 continue
             try:
                 self.engine.add_processed(arg)
-            except InvalidRequestError as e:  # e.g. a reused request id: fail that request, not the engine
+            except (InvalidRequestError, ServiceUnavailableError) as e:  # e.g. a reused request id: fail
+                # that request, not the engine
                 self._post(self._fail, [arg.request_id], e)
 
     def _run(self) -> None:

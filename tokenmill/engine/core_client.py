@@ -37,6 +37,7 @@ class EngineCoreClient:
     max_model_len: int
     num_blocks: int
     runs_in_process: bool
+    healthy = True  # False while no engine core can take requests (all replicas down)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         raise NotImplementedError

@@ -20,7 +20,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.engine.core_client import EngineCoreClient, MPClient
 from tokenmill.engine.router import PrefixAffinityRouter
-from tokenmill.errors import EngineDeadError, EngineStepError
+from tokenmill.errors import EngineDeadError, EngineStepError, ServiceUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +65,15 @@ class DPClient(EngineCoreClient):
             for item in r.poll_items:
                 self._poller.register(item, zmq.POLLIN)
 
+    @property
+    def healthy(self) -> bool:
+        return any(r is not None for r in self.replicas)
+
     # --- requests ---------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         cost = len(request.prompt_token_ids) + request.max_tokens
+        if not self.healthy:
+            raise ServiceUnavailableError("no replica is running; they are restarting")
         replica = self.router.route(request.prompt_token_ids, cost, request.cache_salt)
         self._owner[request.request_id] = (replica, cost)
         self.replicas[replica].add_request(request)

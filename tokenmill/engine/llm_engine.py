@@ -17,7 +17,7 @@ from tokenmill.engine.core_client import EngineCoreClient, InprocClient, MPClien
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.stats import IterationStats, StatLogger
-from tokenmill.errors import ConfigError, EngineStepError, InvalidRequestError
+from tokenmill.errors import ConfigError, EngineStepError, InvalidRequestError, ServiceUnavailableError
 from tokenmill.model.loader import load_model_config, load_tokenizer, resolve_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -101,8 +101,12 @@ class LLMEngine:
         if p.request_id in self.output_processor.requests:
             raise InvalidRequestError(f"request id {p.request_id!r} is already in use", param="request_id")
         self.output_processor.add_request(p)
-        for child in p.children:
-            self.core_client.add_request(child)
+        try:
+            for child in p.children:
+                self.core_client.add_request(child)
+        except ServiceUnavailableError:  # e.g. every replica is restarting: this request fails, not the engine
+            self.core_client.abort_requests(self.output_processor.abort([p.request_id]))
+            raise
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, add_special_tokens: bool = True, priority: int = 0) -> None:
