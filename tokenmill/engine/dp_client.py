@@ -42,12 +42,16 @@ class DPClient(EngineCoreClient):
 
     def __init__(self, config: EngineConfig, size: int, policy: str = "affinity", restart: bool = True):
         self.config = config
-        self.replicas: list[MPClient | None] = [self.client_class(config, replica=i, wait=False)
-                                                for i in range(size)]
+        self._restarted: list[tuple[int, MPClient]] = []  # filled by restart threads
+        self._restart_lock = threading.Lock()
+        self.replicas: list[MPClient | None] = []
         try:
+            for i in range(size):
+                self.replicas.append(self.client_class(config, replica=i, wait=False))
             for r in self.replicas:
                 r.wait_ready()
-        except BaseException:
+        except BaseException as e:
+            logger.error("data-parallel start-up failed: %s: %s", type(e).__name__, e)
             self.shutdown()
             raise
         self.max_model_len = self.replicas[0].max_model_len
@@ -57,8 +61,6 @@ class DPClient(EngineCoreClient):
         self._owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, routed cost)
         self._generated = [0] * size
         self._retired = {name: 0 for name in _COUNTERS}  # counters of replicas that died
-        self._restarted: list[tuple[int, MPClient]] = []  # filled by restart threads
-        self._restart_lock = threading.Lock()
         self._pending: list[BaseException] = []  # raised by the next get_output (outputs came first)
         self._poller = zmq.Poller()
         for r in self.replicas:
