@@ -81,8 +81,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
         core = EngineCore(config, source, load_model_config(source), progress=False)
     except BaseException as e:  # noqa: BLE001 - reported to the front end, which fails its start
         out.send_multipart([FATAL, encoder.encode(CoreFailure(type(e).__name__, str(e)))])
+        inp.close(linger=0)
         out.close()
-        ctx.term()
+        ctx.term()  # waits (up to the output's linger) for the report to leave; needs both closed
         return
     out.send_multipart([READY, encoder.encode(CoreReady(core.max_model_len, core.kv.num_blocks))])
     try:
