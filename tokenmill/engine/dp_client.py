@@ -17,7 +17,7 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerLoad, SchedulerStats
 from tokenmill.engine.core_client import EngineCoreClient, MPClient
 from tokenmill.engine.router import PrefixAffinityRouter
 from tokenmill.errors import EngineDeadError, EngineStepError, ServiceUnavailableError
@@ -192,9 +192,10 @@ class DPClient(EngineCoreClient):
     def stats(self) -> SchedulerStats:
         alive = [r.stats() for r in self.replicas if r is not None]
         used, total = sum(s.kv_blocks_used for s in alive), sum(s.kv_blocks_total for s in alive)
+        load = SchedulerLoad(*(sum(getattr(s.load, f) for s in alive) for f in SchedulerLoad.__struct_fields__))
         return SchedulerStats(sum(s.num_running for s in alive), sum(s.num_waiting for s in alive),
                               used / total if total else 0.0, used, total,
-                              *(self._retired[n] + sum(getattr(s, n) for s in alive) for n in _COUNTERS))
+                              *(self._retired[n] + sum(getattr(s, n) for s in alive) for n in _COUNTERS), load)
 
     def call(self, method: str, on_result: Callable) -> None:
         """Ask every live replica; `on_result` gets their results joined (strings concatenated in
