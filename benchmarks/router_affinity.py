@@ -2,7 +2,8 @@
 
 Workload: 8 distinct system prompts of 1000 tokens; 64 requests, 8 per system prompt in a shuffled
 order, each the system prompt + a 32-token question, 16 output tokens, 8 in flight. For each policy a
-fresh `tokenmill serve --data-parallel-size 2 --kv-cache-memory 128MiB --router-policy P`; reported:
+fresh `tokenmill serve --data-parallel-size 2 --kv-cache-memory 128MiB --max-model-len 2048
+--router-policy P`; reported:
 the prefix-cache hit rate (the servers' own counters) and TTFT p50/p99 (streamed, client-side).
 
     cpu-lock bench .venv/bin/python benchmarks/router_affinity.py
@@ -75,8 +76,8 @@ def measure(policy: str, prompts: list[list[int]]) -> dict:
     url = f"http://127.0.0.1:{port}"
     log = open(f"/tmp/router-affinity-{policy}.log", "w")
     server = subprocess.Popen([BIN / "tokenmill", "serve", "--port", str(port), "--data-parallel-size", "2",
-                               "--kv-cache-memory", "128MiB", "--router-policy", policy], stdout=log,
-                              stderr=subprocess.STDOUT)
+                               "--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--router-policy", policy],
+                              stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
