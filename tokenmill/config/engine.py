@@ -132,9 +132,25 @@ class ParallelConfig:
     """How the work is spread over cores, processes and machines."""
 
     num_threads: int | None = opt("Torch intra-op threads (default: $OMP_NUM_THREADS if set, else all cores).")
+    engine_core_process: bool | None = opt("Run the engine core (scheduler and model) in a process of its own, "
+                                           "fed over ZMQ, so the HTTP front end never competes with it for the "
+                                           "GIL. Default: yes for `serve`, no for the offline LLM.")
+
+    data_parallel_size: int = opt("Engine cores (replicas of the model, each in its own process) behind one "
+                                  "endpoint; a router picks one per request.", 1)
+    router_policy: str = opt("How --data-parallel-size replicas are picked: affinity (the replica holding the "
+                             "longest run of the prompt's leading KV blocks, balanced by outstanding tokens), "
+                             "least_load, round_robin.", "affinity", choices=["affinity", "least_load", "round_robin"])
+    distributed_executor_backend: str = opt("Where data-parallel replicas run: mp (local processes) or ray "
+                                            "(Ray actors on the cluster at $RAY_ADDRESS, else a local one).", "mp",
+                                            choices=["mp", "ray"])
 
     def validate(self) -> None:
-        check_positive(self, "num_threads", allow_none=True)
+        check_positive(self, "num_threads", "data_parallel_size", allow_none=True)
+        check_choice(self, "router_policy", ("affinity", "least_load", "round_robin"))
+        check_choice(self, "distributed_executor_backend", ("mp", "ray"))
+        if self.engine_core_process is not None:
+            check_bool(self, "engine_core_process")
 
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")

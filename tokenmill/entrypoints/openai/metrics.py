@@ -16,15 +16,29 @@ _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 5
 
 class PrometheusStatLogger(StatLogger):
     """Counters and histograms are fed after every step; the gauges are read at scrape time from
-    `live_stats` (so an abort that empties the engine shows at once, without another step)."""
+    `live_stats` (so an abort that empties the engine shows at once, without another step).
 
-    def __init__(self, model_name: str, live_stats, registry: CollectorRegistry | None = None):
+    With data-parallel replicas (`replica_stats` given), generation_tokens_total,
+    num_requests_running and kv_cache_usage_perc are per replica, with a `replica` label (as vLLM's
+    data-parallel metrics carry an engine label); the other series cover all replicas."""
+
+    def __init__(self, model_name: str, live_stats, registry: CollectorRegistry | None = None,
+                 replica_stats=None):
         self.registry = registry or CollectorRegistry()
         labels = ["model_name"]
         r, m = self.registry, {"model_name": model_name}
+        self.replica_stats = replica_stats
+        per_replica = range(len(replica_stats())) if replica_stats is not None else ()
 
-        def gauge(name, doc):
-            return Gauge(f"tokenmill:{name}", doc, labels, registry=r).labels(**m)
+        def gauge(name, doc, by_replica=None):
+            if not per_replica or by_replica is None:
+                return Gauge(f"tokenmill:{name}", doc, labels, registry=r).labels(**m).set_function(
+                    lambda: getattr(live_stats(), name_of[name]))
+            g = Gauge(f"tokenmill:{name}", doc, [*labels, "replica"], registry=r)
+            for i in per_replica:
+                g.labels(model_name=model_name, replica=str(i)).set_function(
+                    lambda i=i: by_replica(replica_stats()[i].scheduler))
+            return g
 
         def counter(name, doc):
             return Counter(f"tokenmill:{name}", doc, labels, registry=r).labels(**m)
@@ -32,19 +46,22 @@ class PrometheusStatLogger(StatLogger):
         def hist(name, doc, buckets):
             return Histogram(f"tokenmill:{name}", doc, labels, buckets=buckets, registry=r).labels(**m)
 
-        gauge("num_requests_running", "Requests in the running batch.").set_function(
-            lambda: live_stats().num_running)
-        gauge("num_requests_waiting", "Requests waiting to be scheduled.").set_function(
-            lambda: live_stats().num_waiting)
-        gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).").set_function(
-            lambda: live_stats().kv_cache_usage)
-        gauge("kv_cache_blocks_total", "KV cache blocks in the pool.").set_function(
-            lambda: live_stats().kv_blocks_total)
+        name_of = {"num_requests_running": "num_running", "num_requests_waiting": "num_waiting",
+                   "kv_cache_usage_perc": "kv_cache_usage", "kv_cache_blocks_total": "kv_blocks_total"}
+        gauge("num_requests_running", "Requests in the running batch.", lambda s: s.num_running)
+        gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", lambda s: s.kv_cache_usage)
+        gauge("kv_cache_blocks_total", "KV cache blocks in the pool.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (KV cache exhausted).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got a first token.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        if per_replica:
+            gen = Counter("tokenmill:generation_tokens", "Generated tokens.", [*labels, "replica"], registry=r)
+            self.generation_by_replica = [gen.labels(model_name=model_name, replica=str(i)) for i in per_replica]
+            self._last_generated = [0 for _ in per_replica]
+        else:
+            self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = Counter("tokenmill:request_success", "Finished requests (each of n samples) by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         self.model_name = model_name
@@ -73,7 +90,12 @@ class PrometheusStatLogger(StatLogger):
         if sched.spec_decoding is not None:
             self._record_spec(sched.spec_decoding)
         self.prompt_tokens.inc(it.num_prompt_tokens)
-        self.generation_tokens.inc(it.num_generation_tokens)
+        if self.replica_stats is None:
+            self.generation_tokens.inc(it.num_generation_tokens)
+        else:
+            for i, rs in enumerate(self.replica_stats()):
+                self.generation_by_replica[i].inc(max(0, rs.generation_tokens - self._last_generated[i]))
+                self._last_generated[i] = rs.generation_tokens
         for t in it.ttfts:
             self.ttft.observe(t)
         for t in it.itls:
