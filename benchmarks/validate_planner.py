@@ -121,8 +121,18 @@ def knee_of(rates: list[float], attainments: list[float], target: float) -> floa
     return best
 
 
+def simulated_knee(a, profile: str) -> float:
+    sim = json.loads(sh("simulate", *a.engine, "--profile", profile, "--request-rate", "1",
+                        "--num-prompts", str(a.num_prompts), "--workload-seed", "1", *workload_flags(a),
+                        "--slo", a.slo, "--slo-attainment", str(a.attainment), "--json"))["results"][0]
+    return sim["knee"]["load"]
+
+
 def run_knee(a, tmp: Path) -> dict:
     profile = calibrate(a, tmp)
+    if a.rates == "auto":  # around the simulated knee
+        k = simulated_knee(a, profile)
+        a.rates = ",".join(f"{f * k:.3g}" for f in (0.5, 0.75, 1.0, 1.25, 1.5, 2.0))
     rates = [float(r) for r in a.rates.split(",")]
     port, proc = serve(a, tmp)
     try:
@@ -153,13 +163,48 @@ def run_knee(a, tmp: Path) -> dict:
             "knee_simulated": knee_s}
 
 
+def run_admission(a, tmp: Path) -> dict:
+    """Open-loop load at 1x, 2x, 4x the sustainable rate (the simulated goodput knee, or --base-rate),
+    against `serve` without admission and with `--slo`, the same arrivals for both."""
+    profile = calibrate(a, tmp)
+    base = a.base_rate if a.base_rate is not None else simulated_knee(a, profile)
+    rates = [round(f * base, 3) for f in (float(x) for x in a.rate_factors.split(","))]
+    admission_slo = ",".join(b for b in a.slo.split(",") if b.split("=")[0] in ("ttft", "tpot"))
+    runs = {}
+    for mode, extra in (("off", []), ("on", ["--slo", admission_slo, "--profile", profile])):
+        port, proc = serve(a, tmp, *extra)
+        try:
+            runs[mode] = bench(port, a, tmp / f"adm-{mode}.json", "--request-rate", ",".join(map(str, rates)),
+                               "--num-prompts", str(a.num_prompts), "--seed", "1")
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    print(f"\nSLO admission on vs off, open loop ({machine()}); {a.input_len} in / {a.output_len} out, "
+          f"{a.num_prompts} requests per rate, SLO {a.slo}, sustainable rate {base:.2f} req/s")
+    print("| rate | admission | admitted | rejected | goodput req/s | SLO met (of all sent) | TTFT p99 admitted | "
+          "TPOT p99 admitted | out tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rates):
+        for mode in ("off", "on"):
+            m = runs[mode][i]
+            sent = m["completed"] + m["failed"]
+            met = m["goodput"] * m["duration_s"] / sent if sent else 0.0
+            print(f"| {r:g} ({r / base:.0f}x) | {mode} | {m['completed']} | {m['failed']} | {m['goodput']:.3f} | "
+                  f"{100 * met:.0f}% | {m['ttft_ms']['p99']:.0f} ms | {m['tpot_ms']['p99']:.1f} ms | "
+                  f"{m['output_token_throughput']:.1f} |")
+    return {"base_rate": base, "rates": rates, "runs": runs, "profile": profile}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["estimate", "knee", "admission"])
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--prompts-per-slot", type=int, default=2, help="bench/estimate run max(16, this x C) requests")
-    ap.add_argument("--rates", default="0.5,1,1.5,2,2.5,3")
+    ap.add_argument("--rates", default="auto", help="knee: request rates, or auto (0.5x..2x the simulated knee)")
     ap.add_argument("--num-prompts", type=int, default=60)
+    ap.add_argument("--rate-factors", default="1,2,4", help="admission: multiples of the sustainable rate")
+    ap.add_argument("--base-rate", type=float, default=None,
+                    help="admission: the sustainable rate (default: the simulated goodput knee)")
     ap.add_argument("--attainment", type=float, default=0.9)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
@@ -169,7 +214,7 @@ def main() -> None:
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix=f"validate-{a.what}-"))
-    result = {"estimate": run_estimate, "knee": run_knee}[a.what](a, tmp)
+    result = {"estimate": run_estimate, "knee": run_knee, "admission": run_admission}[a.what](a, tmp)
     out = Path(a.output_json or f"bench-results/validate_{a.what}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(a), "machine": machine(), **result}, indent=1))

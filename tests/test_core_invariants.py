@@ -115,19 +115,22 @@ def test_freed_cached_blocks_are_evicted_least_recently_used_first():
     assert pool.get_cached_block(b"x") is x and pool.get_cached_block(b"z") is z
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
 @pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_never_leaks(caching, seed):
+def test_random_workload_never_leaks(caching, seed, policy):
     rng = random.Random(seed)
     kv = KVCacheManager(num_blocks=20, block_size=BS, enable_caching=caching)
     sched = Scheduler(kv, max_num_batched_tokens=rng.choice([8, 16, 48]), max_num_seqs=rng.choice([3, 4, 8]),
-                      max_model_len=64)
+                      max_model_len=64, policy=policy, priority_aging=rng.choice([0.0, 5.0]))
     shared = [7] * 12
     next_id, states = 0, RequestStates()
     for step in range(400):
         if rng.random() < 0.3 and step < 300:
             n = rng.randint(1, 40)
-            sched.add_request(make_req(next_id, n, rng.randint(1, 64 - n), rng, shared[:min(n, 12)]))
+            req = make_req(next_id, n, rng.randint(1, 64 - n), rng, shared[:min(n, 12)])
+            req.priority = rng.randint(-2, 3) if policy == "priority" else 0
+            sched.add_request(req)
             next_id += 1
         if rng.random() < 0.05 and sched.requests:
             sched.finish_requests([rng.choice(list(sched.requests))])
@@ -192,7 +195,7 @@ def test_preemption_picks_the_most_recently_admitted_and_recomputes():
     while not preempted:
         preempted = run_step(sched, rng, states).preempted_req_ids
     assert preempted == ["1"] and b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-    assert sched.waiting[0] is b and b.num_preemptions == 1
+    assert sched.waiting.peek() is b and b.num_preemptions == 1
     # the runner keeps a preempted request's tokens (and generator) but not its freed blocks
     assert states["1"].block_ids == [] and states["1"].token_ids == b.all_token_ids and b.num_output_tokens > 0
     resumed = None

@@ -148,3 +148,28 @@ def test_async_engine_streams_and_aborts_when_consumer_leaves(smol_bf16):
     assert fin[0].queue_time >= 0 and fin[0].num_prompt_tokens > 0
     s = recorder.sched[-1]
     assert s.kv_blocks_total == kv.num_blocks and s.prefix_queries >= s.prefix_hits >= 0
+
+
+def test_async_engine_load_counts_what_the_core_has_not_taken_in(smol_bf16):
+    """load() = the core's last reported load + the requests submitted since (what SLO admission reads)."""
+    engine = smol_bf16.engine
+
+    async def main():
+        aengine = AsyncLLMEngine(engine)
+        params = SamplingParams(temperature=0, max_tokens=5, n=2)
+        streams = [aengine.generate([7] * 30, params), aengine.generate([8] * 20, SamplingParams(max_tokens=3))]
+        load = aengine.load()  # the engine thread has not started: all of it is pending
+        assert (load.num_running, load.num_waiting) == (0, 3)
+        assert (load.waiting_prompt_tokens, load.waiting_decode_tokens) == (2 * 30 + 20, 2 * 5 + 3)
+        aengine.start()
+        try:
+            seen = []
+            for s in streams:
+                async for _ in s:
+                    seen.append(aengine.load())
+            assert any(x.num_running for x in seen)  # the core's own report took over
+            assert aengine.load() == type(load)()  # finished: nothing held, nothing pending
+        finally:
+            aengine.shutdown()
+
+    asyncio.run(main())

@@ -68,15 +68,18 @@ def test_roofline_is_monotone_and_memory_bound_at_one_token(tiny_llama_dir):
     assert decode[1] - decode[0] == pytest.approx(8 * 900 * spec.kv_bytes_per_token / 20e9)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_planner_memory_matches_the_engine(tiny_qwen2_dir, dtype):
+@pytest.mark.parametrize("dtype,extra", [("float32", {}), ("bfloat16", {}),
+                                         ("bfloat16", {"quantization": "int8", "kv_cache_dtype": "int8"}),
+                                         ("float32", {"quantization": "int4", "quant_group_size": 32}),
+                                         ("bfloat16", {"quantization": "int8", "kv_cache_dtype": "fp8_e4m3"})])
+def test_planner_memory_matches_the_engine(tiny_qwen2_dir, dtype, extra):
     """Weight bytes, KV bytes per token and blocks: what estimate computes without loading weights
-    is what the engine allocates."""
+    is what the engine allocates, also with quantized weights and a quantized KV cache."""
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.planning.estimate import plan_memory
 
     config = EngineConfig.from_kwargs(model=str(tiny_qwen2_dir), dtype=dtype, kv_cache_memory="24MiB",
-                                      max_model_len=512)
+                                      max_model_len=512, **extra)
     spec = model_spec(config)
     plan = plan_memory(config, spec)
     engine = LLMEngine(config, progress=False)
@@ -238,3 +241,23 @@ def test_profile_round_trip(tmp_path, tiny_llama_dir):
 
     q = load_profile(tmp_path / "p.json")
     assert dataclasses.asdict(q.cost_model) == dataclasses.asdict(p.cost_model) and q.machine == p.machine
+
+
+def test_simulated_priorities_serve_the_better_class_first():
+    """The simulator runs the real scheduler's priority policy: under overload, priority-0 requests
+    wait less than priority-5 ones of the same trace; fcfs treats them alike."""
+    rng = random.Random(0)
+    trace = with_arrivals(synthetic_trace(200, 128, 32, 0.0, 0, 1000, seed=1), 40.0, 1.0, seed=1)
+    trace = [dataclasses.replace(r, priority=5 * rng.randint(0, 1)) for r in trace]
+
+    def mean_ttft(policy):
+        settings = SimSettings(num_blocks=4096, max_num_seqs=8, scheduling_policy=policy, priority_aging=0)
+        res = Simulation(TRUE_MODEL, settings).run(trace)
+        by = {0: [], 5: []}
+        for rec, r in zip(res.records, trace):
+            by[r.priority].append(rec.first_token_at - rec.sent_at)
+        return {p: sum(v) / len(v) for p, v in by.items()}
+
+    prio, fcfs = mean_ttft("priority"), mean_ttft("fcfs")
+    assert prio[0] < 0.5 * prio[5]
+    assert 0.7 < fcfs[0] / fcfs[5] < 1.3

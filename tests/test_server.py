@@ -188,6 +188,8 @@ def test_raw_sse_framing(server):
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "priority": 1}, "priority"),  # this server schedules fcfs
+    ({"prompt": "x", "priority": "high"}, "priority"),
 ])
 def test_invalid_completion_requests_are_400(server, body, param):
     r = post(server, "/v1/completions", body)

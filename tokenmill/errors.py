@@ -51,9 +51,16 @@ class QueueFullError(TokenmillError):
     status_code = 429
     error_type = "rate_limit_error"
 
-    def __init__(self, message: str, retry_after: int = 1):
-        super().__init__(message, code="queue_full")
+    def __init__(self, message: str, retry_after: int = 1, code: str = "queue_full"):
+        super().__init__(message, code=code)
         self.retry_after = retry_after
+
+
+class SLORejectedError(QueueFullError):
+    """Back-pressure: `serve --slo` predicts the request would miss the SLO under the current load."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message, retry_after, code="slo_unattainable")
 
 
 class ServiceUnavailableError(TokenmillError):

@@ -22,6 +22,14 @@ class ServerConfig:
         "help": "Seconds after which a request is aborted (none: no limit)."})
     shutdown_grace: float = field(default=30.0, metadata={
         "help": "On SIGTERM/SIGINT, seconds to let in-flight requests finish before exiting."})
+    slo: str | None = field(default=None, metadata={
+        "help": "SLO-aware admission, e.g. ttft=1s,tpot=100ms (bare numbers are ms): a request predicted to miss "
+                "either bound under the current load gets 429 with Retry-After at once, instead of queueing and "
+                "making everyone after it miss too. Predictions come from this machine's calibration profile "
+                "(tokenmill calibrate), else the roofline model (a warning says so)."})
+    profile: str | None = field(default=None, metadata={
+        "help": "Calibration profile for --slo (default: the one `tokenmill calibrate` saved for this machine "
+                "and model)."})
     disable_dashboard: bool = field(default=False, metadata={
         "help": "Do not serve the live dashboard page (GET /dashboard) and its data endpoint."})
     max_request_body_bytes: int | str = field(default=16 * 2**20, metadata={
@@ -37,3 +45,7 @@ class ServerConfig:
             raise ConfigError("max_request_body_bytes must be >= 1", param="max_request_body_bytes")
         if self.request_timeout is not None and self.request_timeout <= 0:
             self.request_timeout = None
+        if self.slo is not None:
+            from tokenmill.planning.admission import parse_admission_slo
+
+            parse_admission_slo(self.slo)

@@ -40,7 +40,7 @@ def hash_block(parent: bytes | None, token_ids, extra: bytes = b"") -> bytes:
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: CoreSamplingParams,
-                 eos_token_ids, max_tokens: int, arrival_time: float, cache_salt: bytes = b""):
+                 eos_token_ids, max_tokens: int, arrival_time: float, cache_salt: bytes = b"", priority: int = 0):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -50,6 +50,7 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.max_tokens = max_tokens
         self.arrival_time = arrival_time
+        self.priority = priority  # lower is served first (--scheduling-policy priority)
         self.cache_salt = cache_salt  # extra key of the first block's hash
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -60,6 +61,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         # prompt logprobs need logits of every prompt position, so they skip the prefix cache
         self.skip_prefix_cache = params.prompt_logprobs is not None
+        self.spec_token_ids: list[int] = []  # the proposer's drafts, verified next step
         self.grammar_ready: Future | None = None  # the worker's compile of params.grammar
         if params.grammar is not None:
             self.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -67,7 +69,7 @@ class Request:
     @classmethod
     def from_engine_core_request(cls, r: EngineCoreRequest) -> Request:
         return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_ids, r.max_tokens,
-                   r.arrival_time, r.cache_salt)
+                   r.arrival_time, r.cache_salt, r.priority)
 
     @property
     def num_prompt_tokens(self) -> int:

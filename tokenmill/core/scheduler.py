@@ -2,42 +2,56 @@
 
 Every step builds one batch under a token budget (max_num_batched_tokens) and a sequence cap
 (max_num_seqs): running requests that decode come first (one token each), then running requests
-still prefilling (a chunk each), then waiting requests in arrival order (prefix-cache hits first,
-then a chunk of the rest). When the KV pool runs out, the most recently admitted running request
-not yet in this step's batch is preempted: its blocks are freed and it goes back to the front of
-the waiting queue, to be recomputed later (cheaply, through the prefix cache).
+still prefilling (a chunk each), then waiting requests in queue order (prefix-cache hits first,
+then a chunk of the rest). When the KV pool runs out, a running request is preempted: its blocks are
+freed and it goes back to the waiting queue, to be recomputed later (cheaply, through the prefix
+cache). Which one, and the waiting queue's order, follow the scheduling policy (request_queue.py):
+fcfs preempts the most recently admitted request not yet in this step's batch and puts it back at
+the front; priority preempts the lowest-ranked running request (undoing its part of this step if it
+had one) and serves the waiting queue by rank, each group of running requests too.
 
 The batch goes to the runner as deltas (scheduler_output.py); `update` takes back the k >= 1
 tokens per request a step yields and returns the step's EngineCoreOutputs.
+
+Speculative decoding: a decoding request's drafts (from the runner's proposer, last step) are
+scheduled after its last token, within the budget and max_tokens, with `num_lookahead_slots` more
+KV slots for a draft model. After the step, `num_computed_tokens` moves back over the rejected
+drafts and the blocks past the accepted tokens (and the next drafts) are freed. When the pool is
+short, a request first gives up its drafts before anyone is preempted.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.messages import EngineCoreOutput, SchedulerStats
+from tokenmill.core.messages import EngineCoreOutput, SchedulerLoad, SchedulerStats, SpecDecodingStats
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request_queue import make_queue, priority_key
 from tokenmill.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
 )
+from tokenmill.core.spec_policy import SpecPolicy
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int):
+                 max_model_len: int, policy: str = "fcfs", priority_aging: float = 0.0,
+                 num_lookahead_slots: int = 0, spec_disable_by_batch_size: int | None = None,
+                 spec_policy: SpecPolicy | None = None):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.policy = policy
+        self.priority_aging = priority_aging
+        self.waiting = make_queue(policy, priority_aging)
         self.running: list[Request] = []
         self.compiling: list[Request] = []  # waiting for their grammar; they hold nobody up
         self.compile_failures: list[EngineCoreOutput] = []  # for the next step's outputs
@@ -45,6 +59,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.finished_req_ids: list[str] = []  # for the runner, with the next SchedulerOutput
         self.failed: dict[str, str] = {}  # request id -> why: a fault while scheduling it failed it alone
+        self.num_lookahead_slots = num_lookahead_slots
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
+        self.num_kept_blocks: dict[str, int] = {}  # for the runner: block tables cut after rejections
+        self.spec = SpecDecodingStats()
+        self.spec_policy = spec_policy  # measured choice per step (spec_policy.py)
 
     # --- queue management -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -52,7 +71,7 @@ class Scheduler:
         if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
             self.compiling.append(req)
         else:
-            self.waiting.append(req)
+            self.waiting.add(req)
 
     def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[Request]:
         """Abort (or stop) requests wherever they are; frees their blocks at once."""
@@ -92,7 +111,7 @@ class Scheduler:
             error = req.grammar_ready.exception() if req.grammar_ready is not None else None
             if error is None:
                 req.status = RequestStatus.WAITING
-                self.waiting.append(req)
+                self.waiting.add(req)
                 continue
             logger.error("request %s: grammar failed to compile: %s", req.request_id, error)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
@@ -109,16 +128,36 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: list[str] = []
 
+        spec_tokens: dict[str, list[int]] = {}
+        speculate = (self.spec_disable_by_batch_size is None
+                     or len(self.running) <= self.spec_disable_by_batch_size)
+        if speculate and self.spec_policy is not None and any(r.spec_token_ids for r in self.running):
+            speculate = self.spec_policy.speculate(len(self.running))
+
         # 1. running: decodes before chunks of unfinished prefills, each group in admission order
-        for req in sorted(self.running, key=lambda r: r.is_prefilling):
+        #    (by rank under the priority policy)
+        for req in sorted(self.running, key=self._running_order):
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # a seeded request always verifies its drafts: its random stream must not depend on the batch
+            drafts = self._drafts(req, budget) if speculate or req.params.seed is not None else []
             try:
-                while (new_blocks := self.kv.allocate_slots(req, n)) is None:
-                    victim = next(r for r in reversed(self.running) if r.request_id not in num_tokens)
+                while True:
+                    n = min(req.num_tokens - req.num_computed_tokens + len(drafts), budget)
+                    lookahead = self._lookahead(req, req.num_computed_tokens + n)
+                    new_blocks = self.kv.allocate_slots(req, n, num_lookahead=lookahead)
+                    if new_blocks is not None:
+                        break
+                    if drafts:  # short of blocks: give up the drafts before preempting anyone
+                        drafts = []
+                        continue
+                    victim = self._victim(num_tokens)
+                    if victim.request_id in num_tokens:  # undo its part of this step
+                        budget += num_tokens.pop(victim.request_id)
+                        spec_tokens.pop(victim.request_id, None)
+                        cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                     self._preempt(victim)
                     preempted.append(victim.request_id)
                     if victim is req:
@@ -128,23 +167,25 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 num_tokens[req.request_id] = n
+                if drafts:
+                    spec_tokens[req.request_id] = drafts
                 cached_reqs.append(CachedRequestData(req.request_id, False, [b.block_id for b in new_blocks],
                                                      req.num_computed_tokens))
                 budget -= n
 
-        # 2. waiting, first come first served; not in a step that had to preempt
+        # 2. waiting, in the policy's order; not in a step that had to preempt
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
+            req = self.waiting.peek()
             try:
                 hits, num_hit = self.kv.get_computed_blocks(req)
                 n = min(req.num_tokens - num_hit, budget)
-                if self.kv.allocate_slots(req, n, hits) is None:
+                if self.kv.allocate_slots(req, n, hits, self._lookahead(req, num_hit + n)) is None:
                     break  # head of line waits for room: later requests do not overtake it
             except Exception as e:  # noqa: BLE001
                 self._fail(req, e)
                 continue
-            self.waiting.popleft()
+            self.waiting.pop()
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -161,8 +202,32 @@ class Scheduler:
             budget -= n
 
         finished, self.finished_req_ids = self.finished_req_ids, []
+        kept, self.num_kept_blocks = self.num_kept_blocks, {}
         return SchedulerOutput(new_reqs, cached_reqs, num_tokens, self.max_num_batched_tokens - budget,
-                               preempted, finished)
+                               preempted, finished, spec_tokens, kept)
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The request's drafts that fit this step: after its one known token, within the budget,
+        max_tokens and max_model_len (a draft past a stop is verified, then dropped by `update`)."""
+        if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        return req.spec_token_ids[:max(room, 0)]
+
+    def _lookahead(self, req: Request, num_after: int) -> int:
+        """KV slots for a draft model to write past the step's tokens, when the step samples (then
+        the proposer runs)."""
+        return self.num_lookahead_slots if num_after >= req.num_tokens else 0
+
+    def _running_order(self, req: Request):
+        if self.policy == "priority":
+            return req.is_prefilling, priority_key(req, self.priority_aging)
+        return req.is_prefilling
+
+    def _victim(self, scheduled: dict[str, int]) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: priority_key(r, self.priority_aging))
+        return next(r for r in reversed(self.running) if r.request_id not in scheduled)
 
     def _fail(self, req: Request, error: Exception) -> None:
         """Scheduling `req` raised: it alone ends (reported in the step's outputs as failed)."""
@@ -181,9 +246,10 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.add_preempted(req)
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Advance progress after the model ran; append each sampled token and check the stop
@@ -196,6 +262,12 @@ class Scheduler:
                 continue
             req.num_computed_tokens += n
             sampled = result.sampled_token_ids.get(rid, ())
+            drafts = sched.scheduled_spec_decode_tokens.get(rid)
+            if drafts:  # the KV of rejected drafts is void: compute from the first rejected one again
+                num_accepted = len(sampled) - 1
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec.record(len(drafts), num_accepted)
+            req.spec_token_ids = result.spec_token_ids.get(rid, [])
             prompt_lp = result.prompt_logprobs.get(rid)
             if not sampled and prompt_lp is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -209,6 +281,10 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
+            elif drafts or self.num_lookahead_slots:  # free the slots of rejected drafts, keep the next ones'
+                kept = self.kv.trim(req, req.num_tokens + len(req.spec_token_ids))
+                if kept is not None:
+                    self.num_kept_blocks[rid] = kept
             logprobs = result.logprobs.get(rid)
             outputs.append(EngineCoreOutput(
                 rid, list(sampled), logprobs[:len(sampled)] if logprobs is not None else None, prompt_lp,
@@ -233,4 +309,19 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         used = self.kv.num_used_blocks()
         return SchedulerStats(len(self.running), len(self.waiting) + len(self.compiling), self.kv.usage, used,
-                              self.kv.num_blocks, self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions)
+                              self.kv.num_blocks, self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions,
+                              self.load(), self.spec.snapshot() if self.spec.num_drafts else None)
+
+    def load(self) -> SchedulerLoad:
+        """The work held, in tokens (what SLO admission predicts from)."""
+        run_ctx = run_pf = run_left = wait_prompt = wait_dec = 0
+        for r in self.running:
+            run_ctx += r.num_computed_tokens
+            run_pf += max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+            run_left += r.max_tokens - r.num_output_tokens
+        for queue in (self.waiting, self.compiling):
+            for r in queue:
+                wait_prompt += r.num_tokens - r.num_computed_tokens
+                wait_dec += r.max_tokens - r.num_output_tokens
+        return SchedulerLoad(len(self.running), len(self.waiting) + len(self.compiling), run_ctx, run_pf, run_left,
+                             wait_prompt, wait_dec)

@@ -7,7 +7,7 @@ step. A failing step fails only its batch's requests; an error outside a step ki
 (`errored`), fails every request, and later calls raise EngineDeadError.
 
 The HTTP layer uses only this class's public surface: generation, tokenization and detokenization
-(front-end objects that stay in this process), model facts, and the core's statistics.
+(front-end objects that stay in this process), model facts, and the core's statistics and load.
 """
 
 from __future__ import annotations
@@ -15,15 +15,19 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import queue
+import select
 import threading
 import uuid
+from collections import deque
+from collections.abc import Callable
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.messages import SchedulerStats
+from tokenmill.core.messages import SchedulerLoad, SchedulerStats
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.stats import StatLogger
-from tokenmill.errors import EngineDeadError, EngineStepError, InvalidRequestError
+from tokenmill.errors import EngineDeadError, EngineStepError, InvalidRequestError, ServiceUnavailableError
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -35,12 +39,18 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._wake = _Waker()
         self._streams: dict[str, asyncio.Queue] = {}  # event-loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_error: BaseException | None = None
+        # load(): adds submitted (event loop) and drained by the engine thread, counted alike in
+        # inbox order, so the core's last reported load plus the adds it had not drained is exact
+        self._num_submitted = 0
+        self._num_drained = 0
+        self._pending: deque[tuple[int, int, int, int]] = deque()  # (add number, prompt, max tokens, seqs)
+        self._reported: tuple[int, SchedulerLoad] = (0, SchedulerLoad())
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> AsyncLLMEngine:
@@ -48,8 +58,9 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> AsyncLLMEngine:
-        """Loads the model: blocking, call it off the event loop."""
-        return cls(LLMEngine(config, progress=progress))
+        """Loads the model: blocking, call it off the event loop. The core runs in a process of its
+        own unless --no-engine-core-process."""
+        return cls(LLMEngine(config, progress=progress, multiprocess=config.parallel.engine_core_process is not False))
 
     # --- what the model is ------------------------------------------------------------------------
     @property
@@ -109,6 +120,27 @@ class AsyncLLMEngine:
         """The core's queue and KV-cache state, read now."""
         return self.engine.scheduler_stats()
 
+    def load(self) -> SchedulerLoad:
+        """The work the core holds, as it reported with its last step, plus the requests submitted
+        since that it had not taken in yet (plain data; call from the event loop)."""
+        drained, load = self._reported
+        while self._pending and self._pending[0][0] <= drained:
+            self._pending.popleft()
+        if not self._pending:
+            return load
+        prompt = sum(p * n for _, p, _, n in self._pending)
+        decode = sum(m * n for _, _, m, n in self._pending)
+        seqs = sum(n for *_, n in self._pending)
+        return SchedulerLoad(load.num_running, load.num_waiting + seqs, load.running_context_tokens,
+                             load.running_prefill_tokens, load.running_decode_tokens_left,
+                             load.waiting_prompt_tokens + prompt, load.waiting_decode_tokens + decode)
+
+    @property
+    def replica_stats(self):
+        """With data-parallel replicas: a callable giving each replica's statistics (plain data);
+        else None."""
+        return getattr(self.engine.core_client, "replica_stats", None)
+
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Called with every step's statistics, on the engine thread. Add before start()."""
         self.engine.stat_loggers.append(stat_logger)
@@ -125,10 +157,12 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+        return (self._thread is not None and self._thread.is_alive() and self.dead_error is None
+                and self.engine.core_client.healthy)
 
     @property
     def errored(self) -> bool:
@@ -145,10 +179,13 @@ class AsyncLLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                 add_special_tokens: bool = True, prompt_token_ids: list[int] | None = None) -> RequestStream:
+                 add_special_tokens: bool = True, prompt_token_ids: list[int] | None = None, priority: int = 0,
+                 admit: Callable[[int, int, int], None] | None = None) -> RequestStream:
         """Validate and submit a request; returns an async iterator of its outputs (deltas unless
         FINAL_ONLY). Bad input raises here, before anything is streamed. A caller that tokenized a
-        long text off the event loop passes its ids as `prompt_token_ids`."""
+        long text off the event loop passes its ids as `prompt_token_ids`. `priority`: lower is served
+        first (priority scheduling policy). `admit(prompt tokens, max tokens, sequences)` is called
+        once the request is validated, before it is submitted; raising there rejects it."""
         if self.dead_error is not None:
             raise EngineDeadError("the engine is not running") from self.dead_error
         if params.output_kind == RequestOutputKind.CUMULATIVE:  # streams carry deltas
@@ -158,9 +195,15 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is in flight", param="request_id")
         processed = self.engine.process(request_id, prompt, params, add_special_tokens=add_special_tokens,
-                                        prompt_token_ids=prompt_token_ids)
+                                        prompt_token_ids=prompt_token_ids, priority=priority)
+        children = processed.children
+        if admit is not None:
+            admit(len(processed.prompt_token_ids), children[0].max_tokens, len(children))
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream.queue
+        self._num_submitted += 1
+        self._pending.append((self._num_submitted, len(processed.prompt_token_ids), children[0].max_tokens,
+                              len(children)))
         self._submit(("add", processed))
         return stream
 
@@ -173,8 +216,9 @@ class AsyncLLMEngine:
         """Each KV block's state as plain data ("0" free, "1" in use, "2" cached and evictable), read
         by the engine thread between two steps."""
         future = self._loop.create_future()
-        self._submit(("kv_block_states", future))
+        self._submit(("call", ("kv_block_states", future)))
         return await future
+
     def fail_all(self, error: BaseException) -> None:
         """End every in-flight request with `error` (shutdown past its grace period): each stream
         raises it, so each client gets an explicit error rather than a cut connection."""
@@ -199,27 +243,38 @@ class AsyncLLMEngine:
             if kind == "abort":
                 self.engine.abort_request(arg)
                 continue
-            if kind == "kv_block_states":
-                self._post(_resolve, arg, self.engine.kv_block_states())
+            if kind == "add":
+                self._num_drained += 1
+            if kind == "call":
+                method, future = arg
+                self.engine.call_core(method, lambda value, f=future: self._post(_resolve, f, value))
                 continue
             try:
                 self.engine.add_processed(arg)
-            except InvalidRequestError as e:  # e.g. a reused request id: fail that request, not the engine
+            except (InvalidRequestError, ServiceUnavailableError) as e:  # e.g. a reused request id: fail
+                # that request, not the engine
                 self._post(self._fail, [arg.request_id], e)
 
     def _run(self) -> None:
         try:
+            in_process = self.engine.core_client.runs_in_process
             while not self._stopping:
                 self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
+                if in_process and not self.engine.has_unfinished_requests():
+                    self._reported = (self._num_drained, SchedulerLoad())  # e.g. after aborts, with no step
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
+                drained = self._num_drained
                 try:
-                    outputs = self.engine.step()
+                    # a core in another process: wait for its next outputs, or for new work to send
+                    outputs = self.engine.step(interrupt=None if in_process else self._wake.fileno())
+                    self._wake.clear()
                 except EngineStepError as e:
                     self._post(self._fail, e.request_ids, e)
                     continue
+                if self.engine.last_scheduler_stats is not None:
+                    self._reported = (drained, self.engine.last_scheduler_stats.load)
                 if outputs:
                     self._post(self._dispatch, outputs)
                 for rid, why in self.engine.take_failed().items():
@@ -228,7 +283,8 @@ class AsyncLLMEngine:
         except BaseException as e:  # a bug outside the model step: the engine state is suspect
             logger.exception("engine loop died")
             self.dead_error = e
-            self._post(self._fail, None, EngineDeadError(f"engine died: {type(e).__name__}: {e}"))
+            error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"engine died: {type(e).__name__}: {e}")
+            self._post(self._fail, None, error)
 
     def _post(self, fn, *args) -> None:
         try:
@@ -247,6 +303,41 @@ class AsyncLLMEngine:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.put_nowait(error)
+
+
+class _Waker:
+    """A threading.Event that a zmq poll can also wait on (a pipe: set() makes it readable)."""
+
+    def __init__(self):
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    def fileno(self) -> int:
+        return self._r
+
+    def set(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except (BlockingIOError, OSError):  # already set (pipe full), or closed at shutdown
+            pass
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def wait(self, timeout: float) -> None:
+        select.select([self._r], [], [], timeout)
+
+    def __del__(self):
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _resolve(future: asyncio.Future, value) -> None:

@@ -16,6 +16,8 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.spec_policy import SpecPolicy
+from tokenmill.engine import faults
 from tokenmill.errors import EngineStepError
 from tokenmill.model.loader import ModelSource
 from tokenmill.model.model_config import ModelConfig
@@ -32,9 +34,14 @@ class EngineCore:
         self.worker = Worker(config, source, model_config, progress=progress)
         self.max_model_len = self.worker.max_model_len
         self.kv = KVCacheManager(self.worker.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs,
-                                   self.max_model_len)
+        sc, spec = config.scheduler, config.speculative
+        self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs, self.max_model_len,
+                                   sc.scheduling_policy, sc.priority_aging,
+                                   num_lookahead_slots=spec.num_lookahead_slots if spec.enabled else 0,
+                                   spec_disable_by_batch_size=spec.disable_by_batch_size if spec.enabled else None,
+                                   spec_policy=SpecPolicy() if spec.enabled and spec.adaptive else None)
         self.num_steps = 0
+        faults.install_core(self)  # test-only switches; nothing when unset
 
     @staticmethod
     def prefetch(config: EngineConfig) -> None:
@@ -74,7 +81,8 @@ class EngineCore:
             self.worker.runner.execute(sched)  # no model run; drops finished requests' state
             if self.scheduler.compiling and not failed and not errors:  # nothing to run until a grammar is ready
                 wait([r.grammar_ready for r in self.scheduler.compiling], _GRAMMAR_POLL_S, FIRST_COMPLETED)
-            return EngineCoreOutputs(failed, time.monotonic(), self.stats(), errors)
+            return EngineCoreOutputs(failed, timestamp=time.monotonic(), scheduler_stats=self.stats(), failed=errors)
+        t0 = time.perf_counter()
         try:
             result = self.worker.runner.execute(sched)
         except Exception as e:
@@ -86,6 +94,12 @@ class EngineCore:
             logger.exception("engine step failed; aborting %d request(s)", len(ids))
             raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}", ids) from e
         self.num_steps += 1
+        num_running = len(self.scheduler.running)
         outputs = self.scheduler.update(sched, result)
+        policy = self.scheduler.spec_policy
+        spec = sched.scheduled_spec_decode_tokens
+        if policy is not None and all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
+            num_out = sum(len(o.new_token_ids) for o in outputs)
+            policy.observe(num_running, bool(spec), time.perf_counter() - t0, num_out)
         self._drop_finished_if_idle()
-        return EngineCoreOutputs(failed + outputs, time.monotonic(), self.stats(), errors)
+        return EngineCoreOutputs(failed + outputs, time.monotonic(), self.stats(), failed=errors)

@@ -22,20 +22,26 @@ def _parse() -> dict[str, int]:
     return out
 
 
-def install(core, output_processor) -> None:
-    faults = _parse()
-    if not faults:
+def install_core(core) -> None:
+    """The scheduler's fault, in the engine core (which may be its own process: the variable
+    reaches it with the environment)."""
+    token = _parse().get("schedule")
+    if token is None:
         return
-    if "schedule" in faults:
-        kv, token = core.kv, faults["schedule"]
-        allocate = kv.allocate_slots
+    kv = core.kv
+    allocate = kv.allocate_slots
 
-        def allocate_slots(req, *args, **kwargs):
-            if token in req.prompt_token_ids:
-                raise InjectedFault(f"injected scheduler fault (token {token})")
-            return allocate(req, *args, **kwargs)
+    def allocate_slots(req, *args, **kwargs):
+        if token in req.prompt_token_ids:
+            raise InjectedFault(f"injected scheduler fault (token {token})")
+        return allocate(req, *args, **kwargs)
 
-        kv.allocate_slots = allocate_slots
+    kv.allocate_slots = allocate_slots
+
+
+def install_output(output_processor) -> None:
+    """The detokenizer's and the stop-string check's faults, in the front end."""
+    faults = _parse()
     detok_token, stop_token = faults.get("detokenize"), faults.get("stop_check")
     if detok_token is None and stop_token is None:
         return

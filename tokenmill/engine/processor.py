@@ -27,8 +27,9 @@ def child_id(parent_id: str, index: int, n: int) -> str:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int,
-                 eos_token_ids: set[int], chat_template: str | None = None):
+                 eos_token_ids: set[int], chat_template: str | None = None, priority_scheduling: bool = False):
         self.tokenizer = tokenizer
+        self.priority_scheduling = priority_scheduling
         self.chat_template = chat_template  # overrides the model's
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -81,8 +82,9 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float | None = None, add_special_tokens: bool = True,
-                prompt_token_ids: list[int] | None = None) -> ProcessedRequest:
+                prompt_token_ids: list[int] | None = None, priority: int = 0) -> ProcessedRequest:
         """`prompt_token_ids`: the text prompt's ids when the caller tokenized it already."""
+        self.check_priority(priority)
         if isinstance(prompt, str):
             text = prompt
             ids = self.tokenize(prompt, add_special_tokens) if prompt_token_ids is None else prompt_token_ids
@@ -104,8 +106,15 @@ class InputProcessor:
         for i in range(params.n):
             p = CoreSamplingParams.from_params(params.for_child(i) if params.n > 1 else params)
             children.append(EngineCoreRequest(child_id(request_id, i, params.n), ids, p, self.eos_token_ids,
-                                              max_tokens, arrival))
+                                              max_tokens, arrival, priority=priority))
         return ProcessedRequest(request_id, text, ids, params, children, arrival)
+
+    def check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError(f"priority must be an integer, got {priority!r}", param="priority")
+        if priority != 0 and not self.priority_scheduling:
+            raise InvalidRequestError(f"priority {priority} needs the priority scheduling policy (the server runs "
+                                      f"with --scheduling-policy fcfs)", param="priority")
 
     def check_length(self, num_prompt: int, max_tokens: int | None) -> int:
         """The effective max_tokens; rejects what can never fit the model length."""

@@ -27,11 +27,12 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: Params = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for one prompt (text or token ids) or a list; returns outputs in prompt order."""
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for one prompt (text or token ids) or a list; returns outputs in prompt order.
+        `priority`: one per prompt, lower served first (needs scheduling_policy="priority")."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        return self._run([(p, True) for p in prompts], params, use_tqdm)
+        return self._run([(p, True) for p in prompts], params, use_tqdm, priority)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], params: Params = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
@@ -42,14 +43,19 @@ class LLM:
         # the template already holds the special tokens (BOS etc.)
         return self._run([(t, False) for t in texts], params, use_tqdm)
 
-    def _run(self, prompts: list[tuple[Prompt, bool]], params, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list[tuple[Prompt, bool]], params, use_tqdm: bool,
+             priority: Sequence[int] | None = None) -> list[RequestOutput]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(priority)} priorities")
         # validate every prompt before submitting any, so bad input leaves nothing behind
-        processed = [self.engine.process(str(next(self._ids)), prompt, _final_only(p), add_special_tokens=add)
-                     for (prompt, add), p in zip(prompts, params)]
+        processed = [self.engine.process(str(next(self._ids)), prompt, _final_only(p), add_special_tokens=add,
+                                         priority=prio)
+                     for (prompt, add), p, prio in zip(prompts, params, priority)]
         for p in processed:
             self.engine.add_processed(p)
         order = [p.request_id for p in processed]

@@ -21,27 +21,30 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from tokenmill.core.messages import SchedulerLoad
+from tokenmill.errors import ConfigError
 from tokenmill.planning.cost_model import StepCostModel
 from tokenmill.planning.step_shape import StepShape
 
+SLO_NAMES = ("ttft", "tpot")
 
-@dataclass(frozen=True)
-class LoadSnapshot:
-    """What the engine core holds, in tokens and requests (all plain numbers)."""
 
-    num_running: int = 0
-    num_waiting: int = 0
-    running_context_tokens: int = 0  # sum of the running requests' lengths so far
-    running_prefill_tokens: int = 0  # prompt tokens of running requests not yet computed
-    running_decode_tokens_left: int = 0  # output tokens the running requests may still produce
-    waiting_prompt_tokens: int = 0
-    waiting_decode_tokens: int = 0  # max_tokens of the waiting requests
+def parse_admission_slo(text: str) -> dict[str, float]:
+    """'ttft=500ms,tpot=100ms' -> seconds; only the bounds admission can predict."""
+    from tokenmill.bench.serve_metrics import parse_slo
 
-    def plus(self, prompt_tokens: int, max_tokens: int, count: int = 1) -> LoadSnapshot:
-        """With requests submitted but not yet seen by the core (they wait behind the others)."""
-        return LoadSnapshot(self.num_running, self.num_waiting + count, self.running_context_tokens,
-                            self.running_prefill_tokens, self.running_decode_tokens_left,
-                            self.waiting_prompt_tokens + prompt_tokens, self.waiting_decode_tokens + max_tokens)
+    try:
+        slo = parse_slo(text)
+    except ValueError as e:
+        raise ConfigError(f"--slo: {e}", param="slo") from None
+    other = sorted(set(slo) - set(SLO_NAMES))
+    if other or not slo:
+        raise ConfigError(f"--slo takes ttft and/or tpot bounds for admission (e.g. ttft=1s,tpot=100ms), "
+                          f"got {text!r}", param="slo")
+    return slo
+
+
+LoadSnapshot = SchedulerLoad  # what the core reports with every step (core/messages.py)
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,9 @@ class SLOAdmission:
         # the batch it joins: everyone admitted ahead plus it, at the contexts they will have
         joined = min(s.num_running + s.num_waiting + 1, self.max_seqs)
         later_ctx = max(ctx, prompt_tokens + max_tokens / 2)
-        rate = self.prompt_token_rate(now)
+        # prompts arriving meanwhile add prefill chunks to its steps; an idle engine has no such
+        # traffic to extrapolate (what arrives next is judged by this same check)
+        rate = self.prompt_token_rate(now) if s.num_running + s.num_waiting else 0.0
         tpot = self._step(joined, later_ctx, 0, chunk)
         for _ in range(4):  # fixed point: arriving prompt tokens per step depend on the step time
             tpot = self._step(joined, later_ctx, min(rate * tpot, self.budget - joined), chunk)
@@ -127,13 +132,4 @@ class SLOAdmission:
 
 def snapshot_of(scheduler) -> LoadSnapshot:
     """The load snapshot of a live scheduler (what the core reports)."""
-    run_ctx = run_pf = run_left = wait_prompt = wait_dec = 0
-    for r in scheduler.running:
-        run_ctx += r.num_computed_tokens
-        run_pf += max(r.num_prompt_tokens - r.num_computed_tokens, 0)
-        run_left += r.max_tokens - r.num_output_tokens
-    for r in scheduler.waiting:
-        wait_prompt += r.num_tokens - r.num_computed_tokens
-        wait_dec += r.max_tokens - r.num_output_tokens
-    return LoadSnapshot(len(scheduler.running), len(scheduler.waiting), run_ctx, run_pf, run_left, wait_prompt,
-                        wait_dec)
+    return scheduler.load()

@@ -70,7 +70,9 @@ def sim_settings(config: EngineConfig, plan: MemoryPlan) -> SimSettings:
     return SimSettings(num_blocks=plan.kv.num_blocks, block_size=config.cache.block_size,
                        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                        max_num_seqs=config.scheduler.max_num_seqs,
-                       enable_prefix_caching=config.cache.enable_prefix_caching, max_model_len=plan.max_model_len)
+                       enable_prefix_caching=config.cache.enable_prefix_caching, max_model_len=plan.max_model_len,
+                       scheduling_policy=config.scheduler.scheduling_policy,
+                       priority_aging=config.scheduler.priority_aging)
 
 
 def point(cost: CostModelChoice, settings: SimSettings, workload: Workload, concurrency: int,

@@ -34,6 +34,8 @@ class SimSettings:
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
     max_model_len: int = 8192
+    scheduling_policy: str = "fcfs"
+    priority_aging: float = 0.0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -62,7 +64,7 @@ class Simulation:
         self.params = CoreSamplingParams(temperature=temperature, ignore_eos=True)
         self.kv = KVCacheManager(settings.num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, settings.max_num_batched_tokens, settings.max_num_seqs,
-                                   settings.max_model_len)
+                                   settings.max_model_len, settings.scheduling_policy, settings.priority_aging)
         self.now = 0.0
 
     def _admit(self, i: int, r: TraceRequest, records: list[RequestRecord]) -> None:
@@ -81,7 +83,8 @@ class Simulation:
                 rec.error, rec.status = "rejected by SLO admission", 429
                 return
             self.admission.record(self.now, n)
-        self.scheduler.add_request(Request(str(i), r.prompt_token_ids, self.params, set(), max_tokens, self.now))
+        self.scheduler.add_request(Request(str(i), r.prompt_token_ids, self.params, set(), max_tokens, self.now,
+                                           priority=r.priority))
 
     def run(self, trace: list[TraceRequest], concurrency: int | None = None, stop_at: float | None = None
             ) -> SimResult:

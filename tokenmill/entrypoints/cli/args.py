@@ -55,7 +55,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls, skip: tuple[str, ..
         env = os.environ.get(env_name(f.name))
         if env is not None:
             default = _parse_env(env, tp, f.name)
-        help_text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}; default: {default}]"
+        help_text = f"{f.metadata.get('help', '')} [env {env_name(f.name)}; default: {default}]".replace("%", "%%")
         flag = "--" + f.name.replace("_", "-")
         if tp is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,

@@ -15,7 +15,7 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from tokenmill import __version__
 from tokenmill.config import EngineConfig, ServerConfig
@@ -60,6 +60,7 @@ class ServerState:
         self.model_name = engine_config.model.served_model_name
         self.open_paths = set(OPEN_PATHS)  # reachable without the API key
         self.extra_stat_loggers: list = []  # attached to the engine before it starts (e.g. the dashboard's)
+        self.slo_gate = None  # --slo: SLOGate, the `admit` check of every generation request
 
     def limits(self) -> dict | None:
         """The loaded model's limits for the OpenAPI schema (None while loading)."""
@@ -67,7 +68,8 @@ class ServerState:
             return None
         e = self.engine
         return {"model": self.model_name, "vocab_size": e.vocab_size, "max_model_len": e.max_model_len,
-                "max_logprobs": e.max_logprobs, "max_prompt_chars": e.max_prompt_chars}
+                "max_logprobs": e.max_logprobs, "max_prompt_chars": e.max_prompt_chars,
+                "priority_scheduling": self.engine_config.scheduler.scheduling_policy == "priority"}
 
     def ready(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -82,6 +84,12 @@ class ServerState:
         def build():
             try:
                 engine = AsyncLLMEngine.from_config(self.engine_config)
+                if self.config.slo is not None:
+                    from tokenmill.entrypoints.openai.slo_admission import SLOGate
+                    from tokenmill.planning.admission import parse_admission_slo
+
+                    self.slo_gate = SLOGate(engine, self.engine_config, parse_admission_slo(self.config.slo),
+                                            self.config.profile)
                 loop.call_soon_threadsafe(done.set_result, engine)
             except BaseException as e:  # noqa: BLE001 - reported on the loop
                 loop.call_soon_threadsafe(done.set_exception, e)
@@ -89,7 +97,12 @@ class ServerState:
         threading.Thread(target=build, name="tokenmill-load", daemon=True).start()
         aengine: AsyncLLMEngine = await done
         self.model_name = aengine.served_model_name
-        self.metrics = PrometheusStatLogger(self.model_name, aengine.scheduler_stats)
+        self.metrics = PrometheusStatLogger(self.model_name, aengine.scheduler_stats,
+                                            replica_stats=aengine.replica_stats)
+        if self.slo_gate is not None:
+            self.slo_gate.rejections = Counter(
+                "tokenmill:slo_admission_rejected", "Requests rejected with 429 by --slo admission.",
+                ["model_name"], registry=self.metrics.registry).labels(model_name=self.model_name)
         for stat_logger in (self.metrics, LoggingStatLogger(), *self.extra_stat_loggers):
             aengine.add_stat_logger(stat_logger)
         aengine.start()

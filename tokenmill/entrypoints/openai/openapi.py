@@ -12,9 +12,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 # markers the request models put on fields whose bounds are only known once the model is loaded
-TOKEN_ID, TOKEN_LIST, TOKEN_KEY, OUTPUT_TOKENS, LOGPROBS, SERVED_MODEL, PROMPT_CHARS = (
+TOKEN_ID, TOKEN_LIST, TOKEN_KEY, OUTPUT_TOKENS, LOGPROBS, SERVED_MODEL, PROMPT_CHARS, PRIORITY = (
     "x-token-id", "x-token-list", "x-token-key", "x-output-tokens", "x-logprobs", "x-served-model",
-    "x-prompt-chars")
+    "x-prompt-chars", "x-priority")
 
 
 class ErrorDetail(BaseModel):
@@ -164,6 +164,8 @@ def _fill_limits(node: Any, limits: dict[str, Any]) -> None:
         node["propertyNames"] = {"pattern": decimal_at_most(limits["vocab_size"] - 1)}
     if node.pop(PROMPT_CHARS, False):
         node["maxLength"] = limits["max_prompt_chars"]
+    if node.pop(PRIORITY, False) and not limits["priority_scheduling"]:
+        node["enum"] = [0]  # under fcfs any other priority is a 400
     if node.pop(SERVED_MODEL, False):
         node["enum"] = [limits["model"], None]
     for value in node.values():

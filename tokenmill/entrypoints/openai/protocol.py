@@ -10,6 +10,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSche
 from tokenmill.entrypoints.openai.openapi import (
     LOGPROBS,
     OUTPUT_TOKENS,
+    PRIORITY,
     PROMPT_CHARS,
     SERVED_MODEL,
     TOKEN_ID,
@@ -98,6 +99,8 @@ class SamplingFields(OpenAIModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: Int = Field(0, ge=-(2**31), le=2**31 - 1, json_schema_extra={PRIORITY: True},
+                          description="Lower is served first (--scheduling-policy priority; else it must be 0).")
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs (and its older guided_*)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None

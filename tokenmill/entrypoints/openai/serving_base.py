@@ -84,18 +84,19 @@ class ServingBase:
             return self.engine.detokenize(tokens)
         return await asyncio.get_running_loop().run_in_executor(_tokenizer_pool, self.engine.detokenize, tokens)
 
-    async def submit(self, request_id: str, prompts: list, params: SamplingParams,
-                     add_special_tokens: bool = True) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Submit every prompt as its own engine request (bad input raises here, before anything
-        streams); returns an iterator of (prompt index, output) within the request timeout.
-        Leaving it early aborts every request."""
+    async def submit(self, request_id: str, prompts: list, params: SamplingParams, add_special_tokens: bool = True,
+                     priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Submit every prompt as its own engine request (bad input, or an SLO the load would break,
+        raises here, before anything streams); returns an iterator of (prompt index, output) within
+        the request timeout. Leaving it early aborts every request."""
         ids = [await self.tokenize(p, add_special_tokens) if isinstance(p, str) else None for p in prompts]
         streams = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(self.engine.generate(prompt, params, rid, add_special_tokens=add_special_tokens,
-                                                    prompt_token_ids=ids[i]))
+                                                    prompt_token_ids=ids[i], priority=priority,
+                                                    admit=self.state.slo_gate))
         except BaseException:
             for s in streams:
                 s.close()

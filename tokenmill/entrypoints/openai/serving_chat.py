@@ -64,7 +64,7 @@ class ChatServing(ServingBase):
     async def create(self, req: ChatCompletionRequest, t0: float) -> dict | AsyncIterator[bytes]:
         prompt, params, tools = self.prepare(req)
         request_id = self.new_id()
-        streams = await self.submit(request_id, [prompt], params, add_special_tokens=False)
+        streams = await self.submit(request_id, [prompt], params, add_special_tokens=False, priority=req.priority)
         if req.stream:
             return self._stream(req, request_id, streams, t0, tools)
         out: RequestOutput | None = None

@@ -35,7 +35,7 @@ class CompletionServing(ServingBase):
         prompts, params, echo_only = self.prepare(req)
         request_id = self.new_id()
         # submit every prompt now, so that bad input fails before a stream starts
-        streams = await self.submit(request_id, prompts, params)
+        streams = await self.submit(request_id, prompts, params, priority=req.priority)
         if req.stream:
             return self._stream(req, request_id, streams, echo_only, t0)
         results: list[RequestOutput | None] = [None] * len(prompts)
