@@ -136,7 +136,7 @@ def test_sigkill_mid_kernel_build_then_restart(tmp_path):
     env = {"TOKENMILL_CACHE_DIR": str(tmp_path)}
     srv = ServerProcess(env=env)
     deadline = time.monotonic() + 120
-    while "building tokenmill's CPU kernels" not in srv.log():
+    while "building tokenmill_cpu_kernels" not in srv.log():
         assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log()
         time.sleep(0.05)
     time.sleep(2)  # the compiler is running
