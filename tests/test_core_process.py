@@ -7,8 +7,11 @@ import gc
 import json
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -56,6 +59,15 @@ def _summary(outputs):
 
 
 def test_multiprocess_core_matches_in_process():
+    # in a fresh interpreter: after some other tests in the same pytest process the in-process
+    # engine's logprobs came out different (tokens equal), a leak between tests not yet found
+    code = "from tests.test_core_process import compare_in_and_out_of_process as f; f()"
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+
+
+def compare_in_and_out_of_process():
     prompts, params = _mixed_requests()
     results = {}
     for multiprocess in (False, True):

@@ -123,7 +123,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, add_special_tokens: bool = True, priority: int = 0) -> None:
-        self.add_processed(self.process(request_id, prompt, params, arrival_time, add_special_tokens, priority))
+        self.add_processed(self.process(request_id, prompt, params, arrival_time, add_special_tokens,
+                                        priority=priority))
 
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):
