@@ -270,7 +270,9 @@ def test_metrics_after_traffic(server, client):
         assert f"tokenmill:{name}" in text, name
     m = server.metrics()
     assert m["tokenmill:generation_tokens_total"] >= 4 and m["tokenmill:e2e_request_latency_seconds_count"] >= 1
-    assert 'finished_reason="length"' in text
+    length = [line for line in text.splitlines()
+              if line.startswith("tokenmill:request_success_total{") and 'finished_reason="length"' in line]
+    assert len(length) == 1 and float(length[0].rsplit(" ", 1)[1]) >= 1
 
 
 def test_health_answers_under_load(server):

@@ -64,6 +64,9 @@ class PrometheusStatLogger(StatLogger):
             self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = Counter("tokenmill:request_success", "Finished requests (each of n samples) by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
+        # every reason exists from the first scrape, so rate() has a sample before the first finish
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name=model_name, finished_reason=reason)
         self.model_name = model_name
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", _LATENCY)
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive tokens.", _ITL)
