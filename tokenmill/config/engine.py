@@ -126,14 +126,36 @@ class SchedulerConfig:
                               param="priority_aging")
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
 @dataclass
 class ParallelConfig:
     """How the work is spread over cores, processes and machines."""
 
-    num_threads: int | None = opt("Torch intra-op threads (default: $OMP_NUM_THREADS if set, else all cores).")
+    num_threads: int | None = opt("Torch intra-op threads of the whole engine (default: $OMP_NUM_THREADS if set, "
+                                  "else all cores); with several ranks each gets its share.")
+    tensor_parallel_size: int = opt("Ranks that split every layer (Megatron-style column/row splits, one all-reduce "
+                                    "per attention block and per MLP).", 1)
+    pipeline_parallel_size: int = opt("Stages that split the layers (each stage a rank group).", 1)
+    distributed_executor_backend: str = opt("How ranks are started when there are several: mp (processes on this "
+                                            "machine) or ray (Ray actors, possibly on other machines). Default: mp.",
+                                            "mp", choices=list(EXECUTOR_BACKENDS))
+    collective_timeout: float = opt("Seconds a rank waits in a collective (all-reduce, send/recv) before it gives "
+                                    "up: a dead or stuck rank becomes an error, not a hang.", 60.0)
 
     def validate(self) -> None:
         check_positive(self, "num_threads", allow_none=True)
+        check_positive(self, "tensor_parallel_size", "pipeline_parallel_size")
+        check_choice(self, "distributed_executor_backend", EXECUTOR_BACKENDS)
+        t = self.collective_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise ConfigError(f"collective_timeout must be a positive number of seconds, got {t!r}",
+                              param="collective_timeout")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4")

@@ -139,6 +139,8 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self._thread is None or not self._thread.is_alive():
+            self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:

@@ -93,6 +93,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished() or self.core.has_unfinished()
 
+    def shutdown(self) -> None:
+        """Stop the worker ranks (other processes, with several); idempotent."""
+        self.core.shutdown()
+
     def kv_block_states(self) -> str:
         """Each KV block's state (see BlockPool.block_states); call on the engine's thread."""
         return self.core.kv_block_states()

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from tokenmill import distributed
+from tokenmill.distributed.partition import attention_heads, split_evenly
 from tokenmill.errors import ConfigError
 from tokenmill.model.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.activation import silu_and_mul
@@ -22,16 +24,21 @@ from tokenmill.model.model_config import ModelConfig
 
 
 class Attention(nn.Module):
+    """This rank's heads (all of them without tensor parallelism): qkv column-parallel, o_proj
+    row-parallel (its all-reduce is the block's one)."""
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype, device, quant=None, prefix=""):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
-                                                            cfg.num_key_value_heads, cfg.head_dim)
+        st = distributed.state()
+        heads = attention_heads(cfg.num_attention_heads, cfg.num_key_value_heads, st.tp_size, st.tp_rank)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, cfg.head_dim
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+        self.qkv_proj = QKVLinear(cfg.hidden_size, self.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads,
                                   bias=cfg.attention_bias, dtype=dtype, device=device, quant_config=quant,
-                                  prefix=prefix)
-        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, dtype=dtype, device=device,
-                             quant_config=quant, prefix=f"{prefix}.o_proj")
+                                  prefix=prefix, heads=heads)
+        self.o_proj = Linear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, dtype=dtype, device=device,
+                             quant_config=quant, prefix=f"{prefix}.o_proj", parallel="row",
+                             in_range=(heads.q_start * self.head_dim, heads.num_heads * self.head_dim))
         self.backend = backend
         self.kv_cache: torch.Tensor | None = None  # bound by the model runner
         self.fused = False  # tokenmill's CPU kernels in use
@@ -52,13 +59,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """gate+up column-parallel, down row-parallel (its all-reduce is the MLP's one)."""
+
     def __init__(self, cfg: ModelConfig, dtype, device, quant=None, prefix=""):
         super().__init__()
-        i = cfg.intermediate_size
+        st = distributed.state()
+        start, i = split_evenly(cfg.intermediate_size, st.tp_size, st.tp_rank)
+        self.intermediate_size = i
         self.gate_up_proj = MergedLinear(cfg.hidden_size, {0: i, 1: i}, dtype=dtype, device=device, quant_config=quant,
-                                         shard_names={0: f"{prefix}.gate_proj", 1: f"{prefix}.up_proj"})
-        self.down_proj = Linear(i, cfg.hidden_size, dtype=dtype, device=device, quant_config=quant,
-                                prefix=f"{prefix}.down_proj")
+                                         shard_names={0: f"{prefix}.gate_proj", 1: f"{prefix}.up_proj"},
+                                         row_ranges={0: (start, i), 1: (start, i)})
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, device=device,
+                                quant_config=quant, prefix=f"{prefix}.down_proj", parallel="row", in_range=(start, i))
         self.fused = False  # tokenmill's CPU kernels in use
 
     def forward(self, x):
@@ -142,7 +154,8 @@ class LlamaForCausalLM(nn.Module):
         """Switch norms, SiLU-and-mul and rotary to tokenmill's fused CPU kernels where the shapes
         allow (row sizes a multiple of 32, head_dim a multiple of 64). Returns whether it did."""
         cfg = self.config
-        if cfg.hidden_size % 32 or cfg.intermediate_size % 32 or cfg.head_dim % 64:
+        local_mlp = [m.intermediate_size for m in self.modules() if isinstance(m, MLP)]
+        if cfg.hidden_size % 32 or any(i % 32 for i in local_mlp) or cfg.head_dim % 64:
             return False
         for module in self.modules():
             if hasattr(module, "fused"):
@@ -165,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ConfigError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
             loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor.to(param.dtype), shard)
+            loader(param, tensor, shard)  # the loader takes its rank's part, then converts
             loaded.add(name)
         missing = set(params) - loaded
         if self.config.tie_word_embeddings:

@@ -52,7 +52,14 @@ class ModelRunner:
             layer.kv_cache = self.kv_cache[i]
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+        """`prev_sampled`: on a rank that does not sample (an earlier pipeline stage), the tokens the
+        last stage sampled in the previous step."""
+        for rid, tokens in (prev_sampled or {}).items():
+            state = self.requests.get(rid)
+            if state is not None:
+                for tok in tokens:
+                    state.append(tok)
         batch = self.requests.apply(sched, self.device)
         out = ModelRunnerOutput()
         if not batch:

@@ -39,7 +39,7 @@ def build_model(source: ModelSource, cfg: ModelConfig, attn_backend, max_positio
         total = hf_loader.count_tensors(source.path)
     bar = tqdm(weights, total=total, desc=f"Loading {source.name}", unit=" tensors",
                disable=not progress, leave=False)
-    model.load_weights((name, t.to(device)) for name, t in bar)
+    model.load_weights(bar)  # each parameter's loader reads its rank's part and copies it to the device
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

@@ -1,0 +1,161 @@
+"""Tensor parallelism: TP=2 ranks (processes, gloo on loopback) give the same greedy tokens as one
+process, on 64 mixed requests with chunked prefill and preemption, for KV heads that split evenly,
+unevenly (SmolLM2: 3 KV heads over 2 ranks) or not at all (1 KV head, replicated); each rank holds
+only its shard; a killed rank is a clean error."""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.distributed.partition import attention_heads, split_evenly, total_kv_heads
+from tokenmill.errors import ConfigError, WorkerDiedError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+def _prompts(n=64, vocab=49152, seed=0):
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = []
+    for i in range(n):
+        body = [rng.randrange(3, vocab) for _ in range(rng.choice([3, 17, 60, 150]))]
+        prompts.append(shared + body if i % 2 == 0 else body)
+    return prompts
+
+
+def test_partition_of_heads_and_rows():
+    assert [split_evenly(10, 3, r) for r in range(3)] == [(0, 4), (4, 3), (7, 3)]
+    # SmolLM2: 9 heads, 3 KV heads over 2 ranks -> whole KV groups, unevenly
+    assert attention_heads(9, 3, 2, 0) == attention_heads(9, 3, 2, 0).__class__(0, 6, 0, 2)
+    assert attention_heads(9, 3, 2, 1).__class__(6, 3, 2, 1) == attention_heads(9, 3, 2, 1)
+    # one KV head, two ranks: replicated, queries split
+    assert [(h.q_start, h.num_heads, h.kv_start, h.num_kv_heads) for h in
+            (attention_heads(4, 1, 2, r) for r in range(2))] == [(0, 2, 0, 1), (2, 2, 0, 1)]
+    assert total_kv_heads(4, 1, 2) == 2 and total_kv_heads(9, 3, 2) == 3
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4"):
+        attention_heads(6, 2, 4, 0)
+
+
+def test_parallel_config_is_validated():
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineConfig.from_kwargs(tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="distributed_executor_backend"):
+        EngineConfig.from_kwargs(distributed_executor_backend="mpi")
+    with pytest.raises(ConfigError, match="collective_timeout"):
+        EngineConfig.from_kwargs(collective_timeout=-1)
+    assert EngineConfig.from_kwargs(tensor_parallel_size=2, pipeline_parallel_size=3).parallel.world_size == 6
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_mqa_dir(tmp_path_factory, smol_tokenizer_dir):
+    """Qwen2 with one KV head (does not split over 2 ranks: replicated) and an intermediate size
+    that does not split into rows of 32 (the fused kernels step aside)."""
+    import shutil
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-qwen2-mqa")
+    torch.manual_seed(1)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=256, intermediate_size=352, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
+                      initializer_range=0.25, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    for f in os.listdir(smol_tokenizer_dir):
+        shutil.copy(os.path.join(smol_tokenizer_dir, f), folder)
+    return folder
+
+
+# chunks of 16 tokens, and a pool of ~40 blocks for 64 requests: constant preemption
+STRESS = dict(dtype="float32", quantization="none", max_num_batched_tokens=64, max_num_seqs=64, max_model_len=256,
+              enable_prefix_caching=True)
+
+
+def _run(model, tp, kv_bytes, prompts, **kw):
+    llm = LLM(model, progress=False, tensor_parallel_size=tp, kv_cache_memory=kv_bytes, **STRESS, **kw)
+    try:
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        core = llm.engine.core
+        assert core.kv.pool.num_free_blocks == core.kv.num_blocks  # nothing leaked
+        return [o.outputs[0].token_ids for o in outs], core.scheduler.num_preemptions
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+
+
+def _kv_bytes(layers, kv_heads, head_dim, blocks=40):
+    return blocks * 16 * 2 * layers * kv_heads * head_dim * 4
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen2-one-kv-head"])
+def test_tp2_greedy_identical_to_tp1_tiny(which, tiny_llama_dir, tiny_qwen2_mqa_dir):
+    model, kv_heads = (tiny_llama_dir, 2) if which == "llama" else (tiny_qwen2_mqa_dir, 1)
+    prompts = _prompts()
+    # TP=2 with one KV head holds it twice: give it twice the bytes, so both hold the same blocks
+    ref, pre1 = _run(str(model), 1, _kv_bytes(3, kv_heads, 64), prompts)
+    got, pre2 = _run(str(model), 2, _kv_bytes(3, 2, 64), prompts)
+    assert pre1 > 0 and pre2 > 0
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a == b, f"request {i}"
+
+
+@pytest.mark.slow
+def test_tp2_greedy_identical_to_tp1_smollm2():
+    """The real model: 9 heads and 3 KV heads over 2 ranks (6+3 heads, 2+1 KV heads)."""
+    prompts = _prompts(seed=1)
+    ref, pre1 = _run(None, 1, _kv_bytes(30, 3, 64, blocks=60), prompts)
+    got, pre2 = _run(None, 2, _kv_bytes(30, 3, 64, blocks=60), prompts)
+    assert pre1 > 0 and pre2 > 0
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a == b, f"request {i}"
+
+
+def test_tp2_gguf_packed_blocks_split_whole(smol_path):
+    """The GGUF in its own types: each rank keeps whole blocks of its rows (column-parallel) or of
+    its input columns (row-parallel); the logits match one process's within kernel rounding."""
+    prompt = _prompts(1, seed=3)[0][:40]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    res = {}
+    for tp in (1, 2):
+        llm = LLM(dtype="float32", quantization="gguf", tensor_parallel_size=tp, kv_cache_memory="64MiB",
+                  max_model_len=256, progress=False)
+        try:
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            res[tp] = [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
+        finally:
+            llm.engine.shutdown()
+    diff = max(abs(a - b) for a, b in zip(res[1], res[2]))
+    assert diff < 0.05, diff
+
+
+def test_killed_rank_is_a_clean_error(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", tensor_parallel_size=2, kv_cache_memory="16MiB",
+              max_model_len=256, collective_timeout=20, progress=False)
+    try:
+        assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        procs = llm.engine.core.executor.procs
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        assert time.monotonic() - t0 < 15  # noticed by the sentinel, not after a collective timeout
+        with pytest.raises(WorkerDiedError):  # and it stays dead
+            llm.generate([[5, 6, 8]], GREEDY, use_tqdm=False)
+        assert not any(p.is_alive() for p in procs)  # the other rank was stopped too
+    finally:
+        llm.engine.shutdown()
