@@ -159,3 +159,24 @@ def test_killed_rank_is_a_clean_error(tiny_llama_dir):
         assert not any(p.is_alive() for p in procs)  # the other rank was stopped too
     finally:
         llm.engine.shutdown()
+
+
+def test_pipeline_parallel_is_refused_clearly():
+    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
+        LLM(dtype="float32", pipeline_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256, progress=False)
+
+
+def test_tp2_on_ray_matches_tp1(tiny_llama_dir):
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tokenmill[ray]')")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=2)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"cannot start a local Ray cluster: {e}")
+    try:
+        prompts = _prompts(8)
+        ref, _ = _run(str(tiny_llama_dir), 1, _kv_bytes(3, 2, 64), prompts)
+        got, _ = _run(str(tiny_llama_dir), 2, _kv_bytes(3, 2, 64), prompts, distributed_executor_backend="ray")
+        assert got == ref
+    finally:
+        ray.shutdown()

@@ -36,3 +36,42 @@ class Executor(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 (optional: nothing to release in-process)
         """Stop the ranks and release what they hold."""
+
+
+class RankedExecutor(Executor):
+    """What executors of remote ranks share: the step messages (with the previous step's tokens for
+    ranks that do not sample), the output decoding, and a grammar compiler in the engine's process
+    (the core waits on it; the sampling ranks compile their own copy from the same spec)."""
+
+    def _setup(self, config, source, model_config) -> None:
+        p = config.parallel
+        self.config, self.source, self.model_config = config, source, model_config
+        self.first_sampling_rank = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
+        self._prev_sampled: dict[str, list[int]] = {}
+        self._grammars = None
+        self._dead: str | None = None
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode_out = msgspec.msgpack.Decoder(ModelRunnerOutput).decode
+
+    def _messages(self, sched: SchedulerOutput) -> list[bytes]:
+        """One encoded StepMessage per rank."""
+        if self._dead is not None:
+            from tokenmill.errors import WorkerDiedError
+
+            raise WorkerDiedError(self._dead)
+        plain = self._encode(StepMessage(sched))
+        with_tokens = self._encode(StepMessage(sched, self._prev_sampled)) if self._prev_sampled else plain
+        n = self.config.parallel.world_size
+        return [plain if r >= self.first_sampling_rank else with_tokens for r in range(n)]
+
+    def _output(self, data: bytes) -> ModelRunnerOutput:
+        out = self._decode_out(data)
+        self._prev_sampled = out.sampled_token_ids
+        return out
+
+    def prepare_grammar(self, spec: GrammarSpec) -> Future:
+        if self._grammars is None:
+            from tokenmill.worker.worker import make_grammar_compiler
+
+            self._grammars = make_grammar_compiler(self.config, self.source, self.model_config)
+        return self._grammars.submit(spec)

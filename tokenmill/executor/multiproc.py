@@ -19,12 +19,9 @@ import time
 import weakref
 from multiprocessing.connection import wait
 
-import msgspec
-
-from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.errors import ConfigError, WorkerDiedError
 from tokenmill.executor import threads_per_rank
-from tokenmill.executor.base import Executor, StepMessage
+from tokenmill.executor.base import RankedExecutor
 from tokenmill.executor.rank import describe_error
 
 logger = logging.getLogger(__name__)
@@ -64,16 +61,11 @@ def _rank_main(rank, config, source, model_config, init_method, num_threads, con
     worker.close()
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankedExecutor):
     def __init__(self, config, source, model_config, progress: bool = True):
         p = config.parallel
+        self._setup(config, source, model_config)
         self.world_size, self.timeout = p.world_size, p.collective_timeout
-        self.output_rank = self.world_size - 1
-        self.first_sampling_rank = (p.pipeline_parallel_size - 1) * p.tensor_parallel_size
-        self._grammars = None
-        self._prev_sampled: dict[str, list[int]] = {}
-        self._dead: str | None = None
-        self.config, self.source, self.model_config = config, source, model_config
         ctx = mp.get_context("spawn")
         init = f"tcp://127.0.0.1:{free_port()}"
         threads = threads_per_rank(config)
@@ -97,23 +89,14 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise WorkerDiedError(f"ranks disagree on the KV cache: {infos}")
         self.num_blocks, self.max_model_len = infos[0]
-        self._encode = msgspec.msgpack.Encoder().encode
-        self._decode_out = msgspec.msgpack.Decoder(ModelRunnerOutput).decode
 
     def execute(self, sched):
-        if self._dead is not None:
-            raise WorkerDiedError(self._dead)
-        plain = self._encode(StepMessage(sched))
-        with_tokens = self._encode(StepMessage(sched, self._prev_sampled)) if self._prev_sampled else plain
-        for rank, conn in enumerate(self.conns):
+        for rank, (conn, msg) in enumerate(zip(self.conns, self._messages(sched))):
             try:
-                conn.send_bytes(plain if rank >= self.first_sampling_rank else with_tokens)
+                conn.send_bytes(msg)
             except OSError as e:
                 self._fail(f"cannot reach rank {rank}: {e}")
-        replies = self._collect(self.timeout + 10.0, "a step")
-        out = self._decode_out(replies[self.output_rank])
-        self._prev_sampled = out.sampled_token_ids
-        return out
+        return self._output(self._collect(self.timeout + 10.0, "a step")[-1])
 
     def _collect(self, timeout: float, what: str) -> list:
         """Every rank's reply; raises for errors, dead ranks and silence past `timeout`."""
@@ -152,13 +135,6 @@ class MultiprocExecutor(Executor):
         logger.error("%s; stopping the worker ranks", reason)
         self.shutdown()
         raise WorkerDiedError(reason)
-
-    def prepare_grammar(self, spec):
-        if self._grammars is None:
-            from tokenmill.worker.worker import make_grammar_compiler
-
-            self._grammars = make_grammar_compiler(self.config, self.source, self.model_config)
-        return self._grammars.submit(spec)
 
     def shutdown(self) -> None:
         self._finalizer()
