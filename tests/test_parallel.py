@@ -1,7 +1,8 @@
 """Tensor parallelism: TP=2 ranks (processes, gloo on loopback) give the same greedy tokens as one
 process, on 64 mixed requests with chunked prefill and preemption, for KV heads that split evenly,
 unevenly (SmolLM2: 3 KV heads over 2 ranks) or not at all (1 KV head, replicated); each rank holds
-only its shard; a killed rank is a clean error."""
+only its shard; a killed rank is a clean error. Pipeline stages (PP=2, and TP=2 x PP=2) give the same
+tokens too."""
 
 from __future__ import annotations
 
@@ -161,9 +162,25 @@ def test_killed_rank_is_a_clean_error(tiny_llama_dir):
         llm.engine.shutdown()
 
 
-def test_pipeline_parallel_is_refused_clearly():
-    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
-        LLM(dtype="float32", pipeline_parallel_size=2, kv_cache_memory="16MiB", max_model_len=256, progress=False)
+@pytest.mark.parametrize("which", ["llama-tied", "qwen2-one-kv-head"])
+def test_pp2_greedy_identical_to_pp1_tiny(which, tiny_llama_dir, tiny_qwen2_mqa_dir):
+    """Two stages (2 + 1 layers), micro-batches; the tied Llama head loads the embedding's table on
+    the last stage."""
+    model, kv_heads = (tiny_llama_dir, 2) if which == "llama-tied" else (tiny_qwen2_mqa_dir, 1)
+    prompts = _prompts()
+    ref, pre1 = _run(str(model), 1, _kv_bytes(3, kv_heads, 64), prompts)
+    got, pre2 = _run(str(model), 1, _kv_bytes(3, kv_heads, 64), prompts, pipeline_parallel_size=2)
+    assert pre1 > 0 and pre2 > 0
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a == b, f"request {i}"
+
+
+@pytest.mark.slow
+def test_tp2_pp2_greedy_identical_to_tp1(tiny_qwen2_mqa_dir):
+    prompts = _prompts(32)
+    ref, _ = _run(str(tiny_qwen2_mqa_dir), 1, _kv_bytes(3, 1, 64), prompts)
+    got, _ = _run(str(tiny_qwen2_mqa_dir), 2, _kv_bytes(3, 2, 64), prompts, pipeline_parallel_size=2)
+    assert got == ref
 
 
 def test_tp2_on_ray_matches_tp1(tiny_llama_dir):

@@ -21,11 +21,6 @@ def threads_per_rank(config: EngineConfig) -> int:
 
 def make_executor(config: EngineConfig, source, model_config, progress: bool = True) -> Executor:
     p = config.parallel
-    if p.pipeline_parallel_size > 1:
-        from tokenmill.errors import ConfigError
-
-        raise ConfigError("pipeline_parallel_size > 1 is not implemented yet (the model does not split its layers "
-                          "into stages); use tensor_parallel_size", param="pipeline_parallel_size")
     if p.world_size == 1:
         from tokenmill.executor.uniproc import UniProcExecutor
 

@@ -61,6 +61,7 @@ class RankedExecutor(Executor):
             raise WorkerDiedError(self._dead)
         plain = self._encode(StepMessage(sched))
         with_tokens = self._encode(StepMessage(sched, self._prev_sampled)) if self._prev_sampled else plain
+        self._prev_sampled = {}  # delivered with this step, whatever becomes of it
         n = self.config.parallel.world_size
         return [plain if r >= self.first_sampling_rank else with_tokens for r in range(n)]
 

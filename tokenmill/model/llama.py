@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tokenmill import distributed
-from tokenmill.distributed.partition import attention_heads, split_evenly
+from tokenmill.distributed.partition import attention_heads, layer_stages, split_evenly
 from tokenmill.errors import ConfigError
 from tokenmill.model.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.activation import silu_and_mul
@@ -100,23 +100,38 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class StageMissingLayer(nn.Module):
+    """A layer another pipeline stage holds (keeps the checkpoint's layer numbering)."""
+
+
 class LlamaModel(nn.Module):
+    """This pipeline stage's layers (all of them with one stage); the first stage embeds, the last
+    one normalizes. Between stages travel the hidden states and the residual."""
+
     def __init__(self, cfg: ModelConfig, backend, max_position: int, dtype, device, quant=None):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, quant)
+        st = distributed.state()
+        self.stage_layers = layer_stages(cfg.num_hidden_layers, st.pp_size, st.pp_rank)
+        self.is_first, self.is_last = st.is_first_stage, st.is_last_stage
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device, quant) if self.is_first \
+            else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, dtype, device, quant, f"model.layers.{i}")
+                                    if i in self.stage_layers else StageMissingLayer()
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device) if self.is_last else None
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device)
         self.fused = False
 
-    def forward(self, input_ids, positions, meta):
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids, positions, meta, intermediate=None):
+        """`intermediate`: (hidden, residual) from the previous stage. Returns the final hidden
+        states on the last stage, else (hidden, residual) for the next."""
+        x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         # the fused kernel reads the fp32 tables by position; the portable path gets per-token rows
         rope = (self.rotary.cos, self.rotary.sin, positions) if self.fused else self.rotary.lookup(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, rope, meta)
+        for i in self.stage_layers:
+            x, residual = self.layers[i](x, residual, rope, meta)
+        if not self.is_last:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
 
@@ -129,20 +144,24 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_position: int,
                  dtype: torch.dtype = torch.float32, device=None, quant_config: QuantConfig | None = None):
         super().__init__()
-        self.config = cfg
+        self.config, self.dtype = cfg, dtype
         self.model = LlamaModel(cfg, backend, max_position, dtype, device, quant_config)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, quant_config)
-        if cfg.tie_word_embeddings:
+        # a tied head on another stage than the embedding reads the embedding's tensor (and format)
+        head_name = "model.embed_tokens" if cfg.tie_word_embeddings and not self.model.is_first else "lm_head"
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, quant_config, head_name) \
+            if self.model.is_last else None
+        if cfg.tie_word_embeddings and self.model.is_first and self.model.is_last:
             self.lm_head.tie(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate=None):
+        return self.model(input_ids, positions, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def kv_caches(self) -> list:
-        return [layer.self_attn for layer in self.model.layers]
+        return [self.model.layers[i].self_attn for i in self.model.stage_layers]
 
     def set_row_tile(self, tile: int) -> None:
         """Batch-invariant GEMMs (see layers.batch_invariance)."""
@@ -162,11 +181,28 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = True
         return True
 
+    def _stage_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into on this stage (None: another stage's)."""
+        parts, m = name.split("."), self.model
+        if name.startswith("model.layers."):
+            return name if int(parts[2]) in m.stage_layers else None
+        if name.startswith("model.embed_tokens."):
+            if m.is_first:
+                return name
+            # a tied head on another stage than the embedding loads its own copy of the table
+            return "lm_head." + parts[-1] if m.is_last and self.config.tie_word_embeddings else None
+        if name.startswith("model.norm.") or name.startswith("lm_head."):
+            return name if m.is_last else None
+        return name
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.config.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            name = self._stage_name(name)
+            if name is None:
                 continue
             shard = None
             parts = name.split(".")
@@ -181,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
             loader(param, tensor, shard)  # the loader takes its rank's part, then converts
             loaded.add(name)
         missing = set(params) - loaded
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and self.model.is_first:
             missing.discard("lm_head.weight")
         if missing:
             raise ConfigError(f"checkpoint lacks weights for: {', '.join(sorted(missing)[:8])}")

@@ -10,8 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenmill import distributed
 from tokenmill.core.messages import PromptLogprobs
 from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.distributed.partition import split_evenly
 from tokenmill.model.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.worker.request_state import GrammarSource, RequestState, RequestStates
 from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
@@ -65,13 +67,15 @@ class ModelRunner:
         if not batch:
             return out
         batch.sort(key=lambda row: row[1] != 1)  # decodes first (stable)
-        input_ids, positions, layout = self.prepare_inputs(batch)
-        if self.fail_on_token is not None and bool((input_ids == self.fail_on_token).any()):
+        if self.fail_on_token is not None and any(self.fail_on_token in s.token_ids[s.num_computed_tokens:
+                                                                                  s.num_computed_tokens + n]
+                                                  for s, n in batch):
             raise RuntimeError(f"injected fault: token {self.fail_on_token} in the batch")
-        meta = self.backend.build_metadata(layout)
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self._forward(batch)
+        if hidden is None:  # an earlier pipeline stage: the last one samples
+            return out
 
-        ends = np.cumsum(layout.query_lens)
+        ends = np.cumsum([n for _, n in batch])
         rows = [i for i, (state, n) in enumerate(batch) if state.samples(n)]
         if rows:
             idx = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
@@ -87,6 +91,30 @@ class ModelRunner:
             if state.params.prompt_logprobs is not None:
                 self._prompt_logprobs(state, n, hidden, int(ends[i]) - n, out)
         return out
+
+    def _forward(self, batch: list[tuple[RequestState, int]]) -> torch.Tensor | None:
+        """The model over the batch. With pipeline stages, the batch runs as micro-batches (as many
+        as stages): a stage passes one on and starts the next while the following stage works."""
+        st = distributed.state()
+        if st.pp_size == 1:
+            input_ids, positions, layout = self.prepare_inputs(batch)
+            return self.model(input_ids, positions, self.backend.build_metadata(layout))
+        n = len(batch)
+        bounds = [split_evenly(n, min(st.pp_size, n), i) for i in range(min(st.pp_size, n))]
+        hidden, width = [], self.model.config.hidden_size
+        for start, size in bounds:
+            input_ids, positions, layout = self.prepare_inputs(batch[start:start + size])
+            meta = self.backend.build_metadata(layout)
+            inter = None
+            if not st.is_first_stage:
+                rows = input_ids.shape[0]
+                inter = tuple(distributed.pp_recv([(rows, width)] * 2, self.model.dtype, st.pp_rank - 1))
+            out = self.model(input_ids, positions, meta, inter)
+            if st.is_last_stage:
+                hidden.append(out)
+            else:
+                distributed.pp_send(list(out), st.pp_rank + 1)
+        return torch.cat(hidden) if hidden else None
 
     def prepare_inputs(self, batch: list[tuple[RequestState, int]]):
         bs = self.block_size
