@@ -13,7 +13,6 @@ import signal
 import time
 
 import pytest
-import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
@@ -54,31 +53,6 @@ def test_parallel_config_is_validated():
     with pytest.raises(ConfigError, match="collective_timeout"):
         EngineConfig.from_kwargs(collective_timeout=-1)
     assert EngineConfig.from_kwargs(tensor_parallel_size=2, pipeline_parallel_size=3).parallel.world_size == 6
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen2_mqa_dir(tmp_path_factory, smol_tokenizer_dir):
-    """Qwen2 with one KV head (does not split over 2 ranks: replicated) and an intermediate size
-    that does not split into rows of 32 (the fused kernels step aside)."""
-    import shutil
-
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-qwen2-mqa")
-    torch.manual_seed(1)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=256, intermediate_size=352, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
-                      initializer_range=0.25, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-                      tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    model.save_pretrained(folder)
-    for f in os.listdir(smol_tokenizer_dir):
-        shutil.copy(os.path.join(smol_tokenizer_dir, f), folder)
-    return folder
 
 
 # chunks of 16 tokens, and a pool of ~40 blocks for 64 requests: constant preemption
