@@ -171,3 +171,52 @@ def test_tp2_on_ray_matches_tp1(tiny_llama_dir):
         assert got == ref
     finally:
         ray.shutdown()
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids += [int(c) for c in f.read().split()]
+    return kids
+
+
+def _rank_pids(server_pid: int) -> list[int]:
+    pids = []
+    for pid in _children(server_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"multiprocessing" in f.read():
+                pids.append(pid)
+    return pids
+
+
+@pytest.mark.slow
+def test_server_reports_a_killed_rank(tiny_llama_dir):
+    """A real server with TP=2: kill a rank; the request in flight gets a 500, /health turns 503,
+    and the server neither hangs nor leaves the other rank running."""
+    import httpx
+
+    from tests.server_utils import ServerProcess
+
+    server = ServerProcess(str(tiny_llama_dir), "--tensor-parallel-size", "2", "--collective-timeout", "20",
+                           "--kv-cache-memory", "16MiB", "--max-model-len", "256").wait_ready()
+    try:
+        body = {"model": server_model(server), "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(server.base_url + "/completions", json=body, timeout=60).status_code == 200
+        ranks = _rank_pids(server.proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        r = httpx.post(server.base_url + "/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "rank" in r.json()["error"]["message"], r.text
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
+        time.sleep(6)
+        assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
+                       for p in ranks)
+    finally:
+        server.stop()
+
+
+def server_model(server) -> str:
+    import httpx
+
+    return httpx.get(server.base_url + "/models", timeout=10).json()["data"][0]["id"]
