@@ -195,6 +195,9 @@ class LlamaForCausalLM(nn.Module):
             return name if m.is_last else None
         return name
 
+    def loads_tensor(self, name: str) -> bool:
+        return self._stage_name(name) is not None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()

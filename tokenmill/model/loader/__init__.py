@@ -32,7 +32,8 @@ def build_model(source: ModelSource, cfg: ModelConfig, attn_backend, max_positio
         model = model_cls(cfg, attn_backend, max_position, dtype=dtype, device=device, quant_config=quant_config)
     if source.kind == "gguf":
         packed = quant_config.packed_tensors() if quant_config is not None else set()
-        weights = gguf_loader.iter_weights(source.path, cfg, dtype, packed)
+        keep = getattr(model, "loads_tensor", None)  # pipeline stages skip the others' tensors unread
+        weights = gguf_loader.iter_weights(source.path, cfg, dtype, packed, keep)
         total = None
     else:
         weights = hf_loader.iter_weights(source.path, dtype)
