@@ -27,6 +27,7 @@ from tokenmill.executor.rank import describe_error
 logger = logging.getLogger(__name__)
 
 _LOAD_TIMEOUT_S = 600.0
+_ERROR_GRACE_S = 10.0  # after one rank's error, how long the others get to report theirs
 
 
 def free_port() -> int:
@@ -105,17 +106,24 @@ class MultiprocExecutor(RankedExecutor):
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
         while len(replies) < self.world_size:
             pending = {self.conns[r]: r for r in range(self.world_size) if r not in replies}
-            ready = wait([*pending, *sentinels], timeout=max(0.0, deadline - time.monotonic()))
+            watch = [obj for obj, r in sentinels.items() if r not in replies]  # a replied rank may exit
+            ready = wait([*pending, *watch], timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
+                if any(rep[0] == "error" for rep in replies.values()):
+                    break  # the others are stuck waiting for the failed rank: report its error
                 self._fail(f"no reply from rank(s) {sorted(pending.values())} within {timeout:.0f}s during {what}")
-            for obj in ready:
-                if obj in pending:
+            # replies first: a rank that reported an error and exited is not a rank that died
+            dead = [sentinels[obj] for obj in ready if obj in sentinels]
+            for conn, r in pending.items():
+                if conn in ready or (r in dead and conn.poll()):
                     try:
-                        replies[pending[obj]] = obj.recv()
+                        replies[r] = conn.recv()
                     except (EOFError, OSError):
-                        pass  # its sentinel says why
-                elif sentinels[obj] not in replies:
-                    r = sentinels[obj]
+                        continue  # its sentinel says why
+                    if replies[r][0] == "error":  # the others fail alike at once, or hang
+                        deadline = min(deadline, time.monotonic() + _ERROR_GRACE_S)
+            for r in dead:
+                if r not in replies:
                     self._fail(f"worker rank {r} (pid {self.procs[r].pid}) died during {what} "
                                f"(exit code {self.procs[r].exitcode})")
         errors = {r: rep for r, rep in replies.items() if rep[0] == "error"}
