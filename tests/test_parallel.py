@@ -220,3 +220,10 @@ def server_model(server) -> str:
     import httpx
 
     return httpx.get(server.base_url + "/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_unsplittable_heads_are_a_config_error(tiny_llama_dir):
+    """4 heads and 2 KV heads cannot go over 3 ranks: every rank says why, the engine raises it."""
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3"):
+        LLM(str(tiny_llama_dir), dtype="float32", tensor_parallel_size=3, kv_cache_memory="16MiB",
+            max_model_len=256, progress=False)
