@@ -185,7 +185,7 @@ def _rank_pids(server_pid: int) -> list[int]:
     pids = []
     for pid in _children(server_pid):
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"multiprocessing" in f.read():
+            if b"spawn_main" in f.read():  # not the resource tracker
                 pids.append(pid)
     return pids
 
