@@ -3,6 +3,7 @@ stage of the decode steps (scheduling, batch building, attention metadata, model
 sampling, output processing), then breaks the forward down by operator with the torch profiler.
 
     python benchmarks/profile_step.py --num-prompts 64 --input-len 128 --output-len 128
+    python benchmarks/profile_step.py --num-prompts 1 --output-len 64 --model qwen2.5-coder-1.5b  # one stream
 """
 
 from __future__ import annotations
@@ -40,10 +41,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--quantization", default="auto")
     args = ap.parse_args()
 
-    engine = LLMEngine(EngineConfig.from_kwargs(dtype=args.dtype, attention_backend=args.attention_backend,
-                                    kv_cache_memory="1GiB", max_model_len=2048), progress=False)
+    config = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
+                                      quantization=args.quantization, kv_cache_memory="1GiB", max_model_len=2048)
+    engine = LLMEngine(config, progress=False)
     for i, r in enumerate(synthetic(engine.tokenizer, args.num_prompts, args.input_len, args.output_len)):
         engine.add_request(str(i), r.prompt, SamplingParams(max_tokens=args.output_len, ignore_eos=True))
     runner, totals = engine.core.worker.runner, collections.defaultdict(float)

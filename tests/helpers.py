@@ -31,7 +31,7 @@ class FlatBatchDriver:
             assert self.kv.allocate_slots(req, n) is not None
             new = NewRequestData(req.request_id, req.all_token_ids, req.params, [], self.kv.block_ids(req),
                                  req.num_computed_tokens)
-            batch.append((RequestState.new(new, self.runner.device), n))
+            batch.append((RequestState.new(new, self.runner.device), n, []))
         input_ids, positions, layout = self.runner.prepare_inputs(batch)
         meta = self.runner.backend.build_metadata(layout)
         logits = self.runner.model.compute_logits(self.runner.model(input_ids, positions, meta))

@@ -68,15 +68,18 @@ def test_roofline_is_monotone_and_memory_bound_at_one_token(tiny_llama_dir):
     assert decode[1] - decode[0] == pytest.approx(8 * 900 * spec.kv_bytes_per_token / 20e9)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_planner_memory_matches_the_engine(tiny_qwen2_dir, dtype):
+@pytest.mark.parametrize("dtype,extra", [("float32", {}), ("bfloat16", {}),
+                                         ("bfloat16", {"quantization": "int8", "kv_cache_dtype": "int8"}),
+                                         ("float32", {"quantization": "int4", "quant_group_size": 32}),
+                                         ("bfloat16", {"quantization": "int8", "kv_cache_dtype": "fp8_e4m3"})])
+def test_planner_memory_matches_the_engine(tiny_qwen2_dir, dtype, extra):
     """Weight bytes, KV bytes per token and blocks: what estimate computes without loading weights
-    is what the engine allocates."""
+    is what the engine allocates, also with quantized weights and a quantized KV cache."""
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.planning.estimate import plan_memory
 
     config = EngineConfig.from_kwargs(model=str(tiny_qwen2_dir), dtype=dtype, kv_cache_memory="24MiB",
-                                      max_model_len=512)
+                                      max_model_len=512, **extra)
     spec = model_spec(config)
     plan = plan_memory(config, spec)
     engine = LLMEngine(config, progress=False)

@@ -182,3 +182,29 @@ def test_runner_state_rollback(compiler, tokenizer):
     assert torch.equal(a, b)
     with pytest.raises(ValueError):
         state.rollback(5)
+
+
+def test_bitmask_filled_ahead_matches_filled_on_demand(compiler, tokenizer):
+    """The masks started before the forward (batched, on the helper thread) are the ones filled
+    when the logits arrive; a batch that changed in between is filled anew, not with stale rows."""
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": "integer"}}}).spec()
+    grammar = compiler.get(spec)
+    prefixes = ["", '{"n"', '{"n": 1', '{"n": 12}']
+    states = [GrammarState(grammar, tokenizer.encode(p), stop_token_ids=[2]) for p in prefixes]
+    grammars = [states[0], None, states[1], states[2], states[3]]
+    ahead, on_demand = GrammarBitmasks(vocab_size=49152), GrammarBitmasks(vocab_size=49152)
+    a, b = torch.zeros(len(grammars), 49152), torch.zeros(len(grammars), 49152)
+    ahead.start(grammars)
+    ahead.apply(a, grammars)
+    on_demand.apply(b, grammars)
+    assert torch.equal(a, b)
+    assert bool((a[1] == 0).all())  # the unconstrained row is untouched
+    assert (a[4] > float("-inf")).nonzero().flatten().tolist() == [2]  # complete object: only EOS
+    for row in (0, 2, 3):
+        assert 0 < int((a[row] > float("-inf")).sum()) < 49152
+    ahead.start(grammars)  # the batch changes before the logits come: fill what is asked
+    c, d = torch.zeros(2, 49152), torch.zeros(2, 49152)
+    ahead.apply(c, [states[3], states[0]])
+    on_demand.apply(d, [states[3], states[0]])
+    assert torch.equal(c, d) and (c[0] > float("-inf")).nonzero().flatten().tolist() == [2]
+    ahead.close()

@@ -9,21 +9,35 @@ from tokenmill.bench.datasets import BenchRequest, from_jsonl, synthetic
 from tokenmill.sampling_params import SamplingParams
 
 
-def run_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True) -> dict:
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True)
+def run_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True, temperature: float = 1.0) -> dict:
+    params = [SamplingParams(temperature=temperature, top_p=1.0, max_tokens=r.output_len, ignore_eos=True)
               for r in requests]
+    spec_before = llm.engine.core.stats().spec_decoding
     t0 = time.perf_counter()
     outs = llm.generate([r.prompt for r in requests], params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - t0
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return {
+    spec = _spec_delta(spec_before, llm.engine.core.stats().spec_decoding)
+    return {**spec,
         "num_requests": len(requests), "elapsed_s": elapsed,
         "requests_per_s": len(requests) / elapsed,
         "input_tokens_per_s": n_in / elapsed, "output_tokens_per_s": n_out / elapsed,
         "total_tokens_per_s": (n_in + n_out) / elapsed,
         "input_tokens": n_in, "output_tokens": n_out,
     }
+
+
+def _spec_delta(before, after) -> dict:
+    """Speculative decoding over one run: acceptance rate and mean accepted length."""
+    if after is None:
+        return {}
+    drafts = after.num_drafts - (before.num_drafts if before else 0)
+    draft_tokens = after.num_draft_tokens - (before.num_draft_tokens if before else 0)
+    accepted = after.num_accepted_tokens - (before.num_accepted_tokens if before else 0)
+    return {"spec_num_drafts": drafts, "spec_num_draft_tokens": draft_tokens, "spec_num_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "spec_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
 
 
 def load_workload(tokenizer, args) -> list[BenchRequest]:
@@ -41,15 +55,19 @@ def main(args) -> int:
     llm = LLM(**cfg.to_kwargs())
     requests = load_workload(llm.get_tokenizer(), args)
     if args.warmup:
-        run_throughput(llm, requests[: min(len(requests), 4)], use_tqdm=False)
-    result = run_throughput(llm, requests)
+        run_throughput(llm, requests[: min(len(requests), 4)], use_tqdm=False, temperature=args.temperature)
+    result = run_throughput(llm, requests, temperature=args.temperature)
     result["config"] = {"model": llm.engine.served_model_name, "dtype": str(llm.engine.config.model.torch_dtype),
                         "max_num_seqs": cfg.scheduler.max_num_seqs,
-                        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens}
+                        "max_num_batched_tokens": cfg.scheduler.max_num_batched_tokens,
+                        "speculative_config": cfg.speculative.speculative_config, "temperature": args.temperature}
     print(f"Throughput: {result['requests_per_s']:.2f} requests/s, "
           f"{result['input_tokens_per_s']:.1f} input tok/s, {result['output_tokens_per_s']:.1f} output tok/s, "
           f"{result['total_tokens_per_s']:.1f} total tok/s ({result['num_requests']} requests in "
           f"{result['elapsed_s']:.2f}s)")
+    if "spec_num_drafts" in result:
+        print(f"Speculative decoding: acceptance rate {100 * result['spec_acceptance_rate']:.1f}%, mean acceptance "
+              f"length {result['spec_mean_acceptance_length']:.2f} ({result['spec_num_draft_tokens']} draft tokens)")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -8,6 +8,7 @@ generated from these dataclasses by entrypoints/cli/args.py. Field names are uni
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 
 from tokenmill.config.fields import check_bool, check_choice, check_positive, opt, parse_size
@@ -135,19 +136,31 @@ class ParallelConfig:
 
     num_threads: int | None = opt("Torch intra-op threads of the whole engine (default: $OMP_NUM_THREADS if set, "
                                   "else all cores); with several ranks each gets its share.")
+    engine_core_process: bool | None = opt("Run the engine core (scheduler and model) in a process of its own, "
+                                           "fed over ZMQ, so the HTTP front end never competes with it for the "
+                                           "GIL. Default: yes for `serve`, no for the offline LLM.")
     tensor_parallel_size: int = opt("Ranks that split every layer (Megatron-style column/row splits, one all-reduce "
                                     "per attention block and per MLP).", 1)
     pipeline_parallel_size: int = opt("Stages that split the layers (each stage a rank group).", 1)
-    distributed_executor_backend: str = opt("How ranks are started when there are several: mp (processes on this "
-                                            "machine) or ray (Ray actors, possibly on other machines). Default: mp.",
-                                            "mp", choices=list(EXECUTOR_BACKENDS))
+    data_parallel_size: int = opt("Engine cores (replicas of the model, each in its own process) behind one "
+                                  "endpoint; a router picks one per request.", 1)
+    router_policy: str = opt("How --data-parallel-size replicas are picked: affinity (the replica holding the "
+                             "longest run of the prompt's leading KV blocks, balanced by outstanding tokens), "
+                             "least_load, round_robin.", "affinity", choices=["affinity", "least_load", "round_robin"])
+    distributed_executor_backend: str = opt("How worker ranks (tensor/pipeline parallelism) and data-parallel "
+                                            "replicas are started: mp (processes on this machine) or ray (Ray "
+                                            "actors on the cluster at $RAY_ADDRESS, else a local one).", "mp",
+                                            choices=list(EXECUTOR_BACKENDS))
     collective_timeout: float = opt("Seconds a rank waits in a collective (all-reduce, send/recv) before it gives "
                                     "up: a dead or stuck rank becomes an error, not a hang.", 60.0)
 
     def validate(self) -> None:
-        check_positive(self, "num_threads", allow_none=True)
+        check_positive(self, "num_threads", "data_parallel_size", allow_none=True)
         check_positive(self, "tensor_parallel_size", "pipeline_parallel_size")
+        check_choice(self, "router_policy", ("affinity", "least_load", "round_robin"))
         check_choice(self, "distributed_executor_backend", EXECUTOR_BACKENDS)
+        if self.engine_core_process is not None:
+            check_bool(self, "engine_core_process")
         t = self.collective_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
             raise ConfigError(f"collective_timeout must be a positive number of seconds, got {t!r}",
@@ -201,6 +214,78 @@ class KernelConfig:
         check_bool(self, "batch_invariant")
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+              "disable_by_batch_size", "adaptive"}
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts tokens, the model verifies them in one pass."""
+
+    speculative_config: dict | str | None = opt(
+        "Speculative decoding, as JSON (vLLM's keys): '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' or '{\"model\": \"qwen2.5-coder-0.5b\", "
+        "\"num_speculative_tokens\": 4}'. Optional \"disable_by_batch_size\": no speculation in a step with "
+        "more running requests; \"adaptive\" (default true): per step, speculate only where it measured faster. "
+        "Default: off.")
+
+    def validate(self) -> None:
+        raw = self.speculative_config
+        self.method = None
+        if raw is None or raw == "" or raw == {}:
+            return
+        if isinstance(raw, str):
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON: {e}", param="speculative_config") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"speculative_config must be a JSON object, got {raw!r}", param="speculative_config")
+        unknown = set(raw) - _SPEC_KEYS
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown key(s) {', '.join(sorted(unknown))}; known: "
+                              f"{', '.join(sorted(_SPEC_KEYS))}", param="speculative_config")
+        self.speculative_config = raw
+        method = raw.get("method") or ("draft_model" if raw.get("model") else None)
+        if method not in SPEC_METHODS:
+            raise ConfigError(f"speculative_config: unknown method {method!r}; choose ngram (with "
+                              f"prompt_lookup_max/min) or draft_model (with \"model\")", param="speculative_config")
+        if method == "draft_model" and not raw.get("model"):
+            raise ConfigError("speculative_config: method draft_model needs a \"model\"", param="speculative_config")
+        k = raw.get("num_speculative_tokens")
+        lookup_max = raw.get("prompt_lookup_max", 4)
+        lookup_min = raw.get("prompt_lookup_min", 1)
+        disable = raw.get("disable_by_batch_size")
+        for name, v in (("num_speculative_tokens", k), ("prompt_lookup_max", lookup_max),
+                        ("prompt_lookup_min", lookup_min), ("disable_by_batch_size", disable)):
+            if v is None and name == "disable_by_batch_size":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"speculative_config: {name} must be a positive integer, got {v!r}",
+                                  param="speculative_config")
+        if lookup_min > lookup_max:
+            raise ConfigError(f"speculative_config: prompt_lookup_min ({lookup_min}) > prompt_lookup_max "
+                              f"({lookup_max})", param="speculative_config")
+        self.method, self.num_speculative_tokens = method, k
+        self.prompt_lookup_max, self.prompt_lookup_min = lookup_max, lookup_min
+        self.draft_model: str | None = raw.get("model")
+        self.adaptive = raw.get("adaptive", True)
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}",
+                              param="speculative_config")
+        self.disable_by_batch_size: int | None = disable
+
+    @property
+    def enabled(self) -> bool:
+        return getattr(self, "method", None) is not None
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots past the drafts a proposer writes in a step (a draft model's own lookahead)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
 @dataclass
 class EngineConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
@@ -209,6 +294,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quant: QuantizationConfig = field(default_factory=QuantizationConfig)
     kernel: KernelConfig = field(default_factory=KernelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self):
         self.validate()
@@ -220,6 +306,10 @@ class EngineConfig:
         if self.cache.kv_cache_dtype in ("int8", "fp8_e4m3") and self.kernel.attention_backend == "torch_sdpa":
             raise ConfigError(f"kv_cache_dtype={self.cache.kv_cache_dtype} is read by the cpu_paged attention "
                               f"backend's kernels; the torch_sdpa backend cannot read it", param="kv_cache_dtype")
+        if self.speculative.enabled and self.parallel.pipeline_parallel_size > 1:
+            # earlier stages do not verify drafts, and a draft model's layers would be split into stages
+            raise ConfigError("speculative decoding with pipeline parallelism is not supported yet; use "
+                              "--tensor-parallel-size, or no --speculative-config", param="speculative_config")
 
     def groups(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -227,7 +317,8 @@ class EngineConfig:
     @classmethod
     def group_types(cls) -> dict[str, type]:
         hints = {"model": ModelOptions, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "parallel": ParallelConfig, "quant": QuantizationConfig, "kernel": KernelConfig}
+                 "parallel": ParallelConfig, "quant": QuantizationConfig, "kernel": KernelConfig,
+                 "speculative": SpeculativeConfig}
         return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
     @classmethod

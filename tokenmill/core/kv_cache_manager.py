@@ -44,13 +44,15 @@ class KVCacheManager:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit
 
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed: list[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed: list[KVCacheBlock] = (),
+                       num_lookahead: int = 0) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (plus
-        `computed` prefix hits, on admission). None if the pool cannot: the caller preempts."""
+        `computed` prefix hits, on admission), and `num_lookahead` slots after them that a draft
+        model writes. None if the pool cannot: the caller preempts. Only blocks full of known
+        tokens are registered in the prefix cache (draft tokens are not in `req.all_token_ids`)."""
         blocks = self.req_blocks.get(req.request_id, [])
         num_after = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
-        need = -(-num_after // self.block_size) - len(blocks) - len(computed)
+        need = -(-(num_after + num_lookahead) // self.block_size) - len(blocks) - len(computed)
         reclaimed = sum(1 for b in computed if b.ref_cnt == 0)  # hits that are free-but-cached
         if need > self.pool.num_free_blocks - reclaimed:
             return None
@@ -74,6 +76,18 @@ class KVCacheManager:
         for i in range(done, full):
             self.pool.cache_block(blocks[i], hashes[i])
         self._num_hashed[req.request_id] = full
+
+    def trim(self, req: Request, num_tokens: int) -> int | None:
+        """Free the blocks past the first `num_tokens` slots (e.g. those of rejected draft tokens).
+        Returns the blocks kept, or None when nothing was freed."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return None
+        assert keep >= self._num_hashed.get(req.request_id, 0)
+        self.pool.free(reversed(blocks[keep:]))
+        del blocks[keep:]
+        return keep
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])

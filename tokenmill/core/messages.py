@@ -99,6 +99,37 @@ class SchedulerLoad(msgspec.Struct, frozen=True):
     waiting_prompt_tokens: int = 0  # tokens the waiting requests must (re)compute
     waiting_decode_tokens: int = 0  # output tokens the waiting requests may still produce
 
+class SpecDecodingStats(msgspec.Struct):
+    """Speculative decoding, cumulative (vLLM's spec_decode_* counters)."""
+
+    num_drafts: int = 0  # verification steps of one request with at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft:
+            per_pos.extend([0] * (num_draft - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    def snapshot(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.num_accepted_tokens_per_pos))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification step: 1 (the target's own) + accepted drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
 
 class SchedulerStats(msgspec.Struct):
     num_running: int
@@ -110,6 +141,7 @@ class SchedulerStats(msgspec.Struct):
     prefix_hits: int
     num_preemptions: int  # cumulative
     load: SchedulerLoad = SchedulerLoad()
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

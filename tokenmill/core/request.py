@@ -61,6 +61,7 @@ class Request:
         self.first_scheduled_time: float | None = None
         # prompt logprobs need logits of every prompt position, so they skip the prefix cache
         self.skip_prefix_cache = params.prompt_logprobs is not None
+        self.spec_token_ids: list[int] = []  # the proposer's drafts, verified next step
         self.grammar_ready: Future | None = None  # the worker's compile of params.grammar
         if params.grammar is not None:
             self.status = RequestStatus.WAITING_FOR_GRAMMAR

@@ -12,6 +12,12 @@ had one) and serves the waiting queue by rank, each group of running requests to
 
 The batch goes to the runner as deltas (scheduler_output.py); `update` takes back the k >= 1
 tokens per request a step yields and returns the step's EngineCoreOutputs.
+
+Speculative decoding: a decoding request's drafts (from the runner's proposer, last step) are
+scheduled after its last token, within the budget and max_tokens, with `num_lookahead_slots` more
+KV slots for a draft model. After the step, `num_computed_tokens` moves back over the rejected
+drafts and the blocks past the accepted tokens (and the next drafts) are freed. When the pool is
+short, a request first gives up its drafts before anyone is preempted.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import logging
 import time
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
-from tokenmill.core.messages import EngineCoreOutput, SchedulerLoad, SchedulerStats
+from tokenmill.core.messages import EngineCoreOutput, SchedulerLoad, SchedulerStats, SpecDecodingStats
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import make_queue, priority_key
 from tokenmill.core.scheduler_output import (
@@ -29,13 +35,16 @@ from tokenmill.core.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from tokenmill.core.spec_policy import SpecPolicy
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int, policy: str = "fcfs", priority_aging: float = 0.0):
+                 max_model_len: int, policy: str = "fcfs", priority_aging: float = 0.0,
+                 num_lookahead_slots: int = 0, spec_disable_by_batch_size: int | None = None,
+                 spec_policy: SpecPolicy | None = None):
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -49,6 +58,11 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.finished_req_ids: list[str] = []  # for the runner, with the next SchedulerOutput
+        self.num_lookahead_slots = num_lookahead_slots
+        self.spec_disable_by_batch_size = spec_disable_by_batch_size
+        self.num_kept_blocks: dict[str, int] = {}  # for the runner: block tables cut after rejections
+        self.spec = SpecDecodingStats()
+        self.spec_policy = spec_policy  # measured choice per step (spec_policy.py)
 
     # --- queue management -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -113,6 +127,12 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: list[str] = []
 
+        spec_tokens: dict[str, list[int]] = {}
+        speculate = (self.spec_disable_by_batch_size is None
+                     or len(self.running) <= self.spec_disable_by_batch_size)
+        if speculate and self.spec_policy is not None and any(r.spec_token_ids for r in self.running):
+            speculate = self.spec_policy.speculate(len(self.running))
+
         # 1. running: decodes before chunks of unfinished prefills, each group in admission order
         #    (by rank under the priority policy)
         for req in sorted(self.running, key=self._running_order):
@@ -120,11 +140,21 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while (new_blocks := self.kv.allocate_slots(req, n)) is None:
+            # a seeded request always verifies its drafts: its random stream must not depend on the batch
+            drafts = self._drafts(req, budget) if speculate or req.params.seed is not None else []
+            while True:
+                n = min(req.num_tokens - req.num_computed_tokens + len(drafts), budget)
+                lookahead = self._lookahead(req, req.num_computed_tokens + n)
+                new_blocks = self.kv.allocate_slots(req, n, num_lookahead=lookahead)
+                if new_blocks is not None:
+                    break
+                if drafts:  # short of blocks: give up the drafts before preempting anyone
+                    drafts = []
+                    continue
                 victim = self._victim(num_tokens)
                 if victim.request_id in num_tokens:  # undo its part of this step
                     budget += num_tokens.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -132,6 +162,8 @@ class Scheduler:
                     break
             if req.status == RequestStatus.RUNNING:
                 num_tokens[req.request_id] = n
+                if drafts:
+                    spec_tokens[req.request_id] = drafts
                 cached_reqs.append(CachedRequestData(req.request_id, False, [b.block_id for b in new_blocks],
                                                      req.num_computed_tokens))
                 budget -= n
@@ -142,7 +174,7 @@ class Scheduler:
             req = self.waiting.peek()
             hits, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, n, hits) is None:
+            if self.kv.allocate_slots(req, n, hits, self._lookahead(req, num_hit + n)) is None:
                 break  # head of line waits for room: later requests do not overtake it
             self.waiting.pop()
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
@@ -161,8 +193,22 @@ class Scheduler:
             budget -= n
 
         finished, self.finished_req_ids = self.finished_req_ids, []
+        kept, self.num_kept_blocks = self.num_kept_blocks, {}
         return SchedulerOutput(new_reqs, cached_reqs, num_tokens, self.max_num_batched_tokens - budget,
-                               preempted, finished)
+                               preempted, finished, spec_tokens, kept)
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The request's drafts that fit this step: after its one known token, within the budget,
+        max_tokens and max_model_len (a draft past a stop is verified, then dropped by `update`)."""
+        if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+        return req.spec_token_ids[:max(room, 0)]
+
+    def _lookahead(self, req: Request, num_after: int) -> int:
+        """KV slots for a draft model to write past the step's tokens, when the step samples (then
+        the proposer runs)."""
+        return self.num_lookahead_slots if num_after >= req.num_tokens else 0
 
     def _running_order(self, req: Request):
         if self.policy == "priority":
@@ -179,6 +225,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(req)
@@ -194,6 +241,12 @@ class Scheduler:
                 continue
             req.num_computed_tokens += n
             sampled = result.sampled_token_ids.get(rid, ())
+            drafts = sched.scheduled_spec_decode_tokens.get(rid)
+            if drafts:  # the KV of rejected drafts is void: compute from the first rejected one again
+                num_accepted = len(sampled) - 1
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec.record(len(drafts), num_accepted)
+            req.spec_token_ids = result.spec_token_ids.get(rid, [])
             prompt_lp = result.prompt_logprobs.get(rid)
             if not sampled and prompt_lp is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -207,6 +260,10 @@ class Scheduler:
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)
+            elif drafts or self.num_lookahead_slots:  # free the slots of rejected drafts, keep the next ones'
+                kept = self.kv.trim(req, req.num_tokens + len(req.spec_token_ids))
+                if kept is not None:
+                    self.num_kept_blocks[rid] = kept
             logprobs = result.logprobs.get(rid)
             outputs.append(EngineCoreOutput(
                 rid, list(sampled), logprobs[:len(sampled)] if logprobs is not None else None, prompt_lp,
@@ -232,7 +289,7 @@ class Scheduler:
         used = self.kv.num_used_blocks()
         return SchedulerStats(len(self.running), len(self.waiting) + len(self.compiling), self.kv.usage, used,
                               self.kv.num_blocks, self.kv.prefix_queries, self.kv.prefix_hits, self.num_preemptions,
-                              self.load())
+                              self.load(), self.spec.snapshot() if self.spec.num_drafts else None)
 
     def load(self) -> SchedulerLoad:
         """The work held, in tokens (what SLO admission predicts from)."""

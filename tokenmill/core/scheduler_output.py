@@ -43,6 +43,11 @@ class SchedulerOutput(msgspec.Struct):
     total_num_scheduled_tokens: int
     preempted_req_ids: list[str] = []  # blocks freed: the runner forgets their block tables
     finished_req_ids: list[str] = []  # finished or aborted since the last step: the runner drops them
+    # speculative decoding: draft tokens to verify this step, after the request's known tokens
+    # (counted in num_scheduled_tokens)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # request id -> length its block table is cut to (blocks past the accepted tokens were freed)
+    num_kept_blocks: dict[str, int] = {}
 
     @property
     def is_empty(self) -> bool:
@@ -50,9 +55,11 @@ class SchedulerOutput(msgspec.Struct):
 
 
 class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
-    """Per request that reached its last known token: the tokens this step yields (one today; k
-    with speculative decoding), and their logprobs when asked for."""
+    """Per request that reached its last known token: the tokens this step yields (1 + accepted
+    draft tokens with speculative decoding), and their logprobs when asked for; per request the
+    proposer's draft tokens for the next step."""
 
     sampled_token_ids: dict[str, list[int]] = {}
     logprobs: dict[str, list[TokenLogprobs]] = {}
     prompt_logprobs: dict[str, PromptLogprobs] = {}
+    spec_token_ids: dict[str, list[int]] = {}

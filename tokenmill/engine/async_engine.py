@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import queue
+import select
 import threading
 import uuid
 from collections import deque
@@ -25,7 +27,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.messages import SchedulerLoad, SchedulerStats
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.stats import StatLogger
-from tokenmill.errors import EngineDeadError, EngineStepError, InvalidRequestError
+from tokenmill.errors import EngineDeadError, EngineStepError, InvalidRequestError, ServiceUnavailableError
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -37,7 +39,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._wake = _Waker()
         self._streams: dict[str, asyncio.Queue] = {}  # event-loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -56,8 +58,9 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = False) -> AsyncLLMEngine:
-        """Loads the model: blocking, call it off the event loop."""
-        return cls(LLMEngine(config, progress=progress))
+        """Loads the model: blocking, call it off the event loop. The core runs in a process of its
+        own unless --no-engine-core-process."""
+        return cls(LLMEngine(config, progress=progress, multiprocess=config.parallel.engine_core_process is not False))
 
     # --- what the model is ------------------------------------------------------------------------
     @property
@@ -123,6 +126,12 @@ class AsyncLLMEngine:
                              load.running_prefill_tokens, load.running_decode_tokens_left,
                              load.waiting_prompt_tokens + prompt, load.waiting_decode_tokens + decode)
 
+    @property
+    def replica_stats(self):
+        """With data-parallel replicas: a callable giving each replica's statistics (plain data);
+        else None."""
+        return getattr(self.engine.core_client, "replica_stats", None)
+
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Called with every step's statistics, on the engine thread. Add before start()."""
         self.engine.stat_loggers.append(stat_logger)
@@ -139,12 +148,12 @@ class AsyncLLMEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._thread is None or not self._thread.is_alive():
-            self.engine.shutdown()
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+        return (self._thread is not None and self._thread.is_alive() and self.dead_error is None
+                and self.engine.core_client.healthy)
 
     @property
     def errored(self) -> bool:
@@ -197,7 +206,7 @@ class AsyncLLMEngine:
         """Each KV block's state as plain data ("0" free, "1" in use, "2" cached and evictable), read
         by the engine thread between two steps."""
         future = self._loop.create_future()
-        self._submit(("kv_block_states", future))
+        self._submit(("call", ("kv_block_states", future)))
         return await future
 
     def abort(self, request_id: str) -> None:
@@ -219,26 +228,31 @@ class AsyncLLMEngine:
                 continue
             if kind == "add":
                 self._num_drained += 1
-            if kind == "kv_block_states":
-                self._post(_resolve, arg, self.engine.kv_block_states())
+            if kind == "call":
+                method, future = arg
+                self.engine.call_core(method, lambda value, f=future: self._post(_resolve, f, value))
                 continue
             try:
                 self.engine.add_processed(arg)
-            except InvalidRequestError as e:  # e.g. a reused request id: fail that request, not the engine
+            except (InvalidRequestError, ServiceUnavailableError) as e:  # e.g. a reused request id: fail
+                # that request, not the engine
                 self._post(self._fail, [arg.request_id], e)
 
     def _run(self) -> None:
         try:
+            in_process = self.engine.core_client.runs_in_process
             while not self._stopping:
                 self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
+                if in_process and not self.engine.has_unfinished_requests():
                     self._reported = (self._num_drained, SchedulerLoad())  # e.g. after aborts, with no step
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
                 drained = self._num_drained
                 try:
-                    outputs = self.engine.step()
+                    # a core in another process: wait for its next outputs, or for new work to send
+                    outputs = self.engine.step(interrupt=None if in_process else self._wake.fileno())
+                    self._wake.clear()
                 except EngineStepError as e:
                     self._post(self._fail, e.request_ids, e)
                     continue
@@ -249,7 +263,8 @@ class AsyncLLMEngine:
         except BaseException as e:  # a bug outside the model step: the engine state is suspect
             logger.exception("engine loop died")
             self.dead_error = e
-            self._post(self._fail, None, EngineDeadError(f"engine died: {type(e).__name__}: {e}"))
+            error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"engine died: {type(e).__name__}: {e}")
+            self._post(self._fail, None, error)
 
     def _post(self, fn, *args) -> None:
         try:
@@ -268,6 +283,41 @@ class AsyncLLMEngine:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.put_nowait(error)
+
+
+class _Waker:
+    """A threading.Event that a zmq poll can also wait on (a pipe: set() makes it readable)."""
+
+    def __init__(self):
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    def fileno(self) -> int:
+        return self._r
+
+    def set(self) -> None:
+        try:
+            os.write(self._w, b"x")
+        except (BlockingIOError, OSError):  # already set (pipe full), or closed at shutdown
+            pass
+
+    def clear(self) -> None:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def wait(self, timeout: float) -> None:
+        select.select([self._r], [], [], timeout)
+
+    def __del__(self):
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _resolve(future: asyncio.Future, value) -> None:

@@ -16,6 +16,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.spec_policy import SpecPolicy
 from tokenmill.errors import EngineStepError, WorkerDiedError
 from tokenmill.executor import make_executor
 from tokenmill.model.loader import ModelSource
@@ -34,9 +35,12 @@ class EngineCore:
         self.worker = getattr(self.executor, "worker", None)
         self.max_model_len = self.executor.max_model_len
         self.kv = KVCacheManager(self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        sc = config.scheduler
+        sc, spec = config.scheduler, config.speculative
         self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs, self.max_model_len,
-                                   sc.scheduling_policy, sc.priority_aging)
+                                   sc.scheduling_policy, sc.priority_aging,
+                                   num_lookahead_slots=spec.num_lookahead_slots if spec.enabled else 0,
+                                   spec_disable_by_batch_size=spec.disable_by_batch_size if spec.enabled else None,
+                                   spec_policy=SpecPolicy() if spec.enabled and spec.adaptive else None)
         self.num_steps = 0
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -75,6 +79,7 @@ class EngineCore:
             if self.scheduler.compiling and not failed:  # nothing to run until a grammar is ready
                 wait([r.grammar_ready for r in self.scheduler.compiling], _GRAMMAR_POLL_S, FIRST_COMPLETED)
             return EngineCoreOutputs(failed, timestamp=time.monotonic(), scheduler_stats=self.stats())
+        t0 = time.perf_counter()
         try:
             result = self.executor.execute(sched)
         except WorkerDiedError:  # fatal: the engine loop dies and reports it (/health turns 503)
@@ -88,6 +93,12 @@ class EngineCore:
             logger.exception("engine step failed; aborting %d request(s)", len(ids))
             raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}", ids) from e
         self.num_steps += 1
+        num_running = len(self.scheduler.running)
         outputs = self.scheduler.update(sched, result)
+        policy = self.scheduler.spec_policy
+        spec = sched.scheduled_spec_decode_tokens
+        if policy is not None and all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
+            num_out = sum(len(o.new_token_ids) for o in outputs)
+            policy.observe(num_running, bool(spec), time.perf_counter() - t0, num_out)
         self._drop_finished_if_idle()
         return EngineCoreOutputs(failed + outputs, time.monotonic(), self.stats())

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import SchedulerStats
-from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.core_client import EngineCoreClient, InprocClient, MPClient
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.stats import IterationStats, StatLogger
-from tokenmill.errors import ConfigError, EngineStepError, InvalidRequestError
+from tokenmill.errors import ConfigError, EngineStepError, InvalidRequestError, ServiceUnavailableError
 from tokenmill.model.loader import load_model_config, load_tokenizer, resolve_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -35,19 +35,42 @@ def load_chat_template(template: str | None) -> str | None:
     return path.read_text() if path.is_file() else template
 
 
+def make_core_client(config: EngineConfig, source, model_config, progress: bool, multiprocess: bool
+                     ) -> EngineCoreClient:
+    parallel = config.parallel
+    if parallel.data_parallel_size > 1:
+        if parallel.distributed_executor_backend == "ray":
+            from tokenmill.engine.ray_client import RayDPClient
+
+            return RayDPClient(config, parallel.data_parallel_size, parallel.router_policy)
+        from tokenmill.engine.dp_client import DPClient
+
+        return DPClient(config, parallel.data_parallel_size, parallel.router_policy)
+    if multiprocess:
+        return MPClient(config)
+    return InprocClient(config, source, model_config, progress)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: bool = True):
+    def __init__(self, config: EngineConfig, progress: bool = True, multiprocess: bool | None = None):
+        """multiprocess: run the core in its own process (default: --engine-core-process, else no)."""
         self.config = config
         t0 = time.monotonic()
         chat_template = load_chat_template(config.model.chat_template)  # fail before the slow part
         self.source = resolve_model(config.model.model)
         self.model_config = load_model_config(self.source)
         self.tokenizer = load_tokenizer(self.source, config.model.tokenizer, config.model.trust_remote_code)
-        self.core = EngineCore(config, self.source, self.model_config, progress=progress)
+        if multiprocess is None:
+            multiprocess = bool(config.parallel.engine_core_process)
+        self.core_client: EngineCoreClient = make_core_client(config, self.source, self.model_config, progress,
+                                                              multiprocess)
+        # the EngineCore itself, for offline tools that drive its parts (calibration); None when it
+        # runs in another process
+        self.core = getattr(self.core_client, "core", None)
         eos = set(self.model_config.eos_token_id)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core.max_model_len,
+        self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core_client.max_model_len,
                                         config.model.max_logprobs, eos, chat_template,
                                         config.scheduler.scheduling_policy == "priority")
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -63,7 +86,7 @@ class LLMEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self.core.max_model_len
+        return self.core_client.max_model_len
 
     # --- requests ---------------------------------------------------------------------------------
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -78,8 +101,12 @@ class LLMEngine:
         if p.request_id in self.output_processor.requests:
             raise InvalidRequestError(f"request id {p.request_id!r} is already in use", param="request_id")
         self.output_processor.add_request(p)
-        for child in p.children:
-            self.core.add_request(child)
+        try:
+            for child in p.children:
+                self.core_client.add_request(child)
+        except ServiceUnavailableError:  # e.g. every replica is restarting: this request fails, not the engine
+            self.core_client.abort_requests(self.output_processor.abort([p.request_id]))
+            raise
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, add_special_tokens: bool = True, priority: int = 0) -> None:
@@ -88,37 +115,39 @@ class LLMEngine:
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.core.abort_requests(self.output_processor.abort(request_ids))
+        self.core_client.abort_requests(self.output_processor.abort(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.has_unfinished() or self.core.has_unfinished()
+        return self.output_processor.has_unfinished() or self.core_client.has_unfinished()
 
-    def shutdown(self) -> None:
-        """Stop the worker ranks (other processes, with several); idempotent."""
-        self.core.shutdown()
-
-    def kv_block_states(self) -> str:
-        """Each KV block's state (see BlockPool.block_states); call on the engine's thread."""
-        return self.core.kv_block_states()
+    def call_core(self, method: str, on_result) -> None:
+        """A read-only core method (e.g. kv_block_states), between two steps; call on the engine's
+        thread. `on_result(value)` runs on that thread."""
+        self.core_client.call(method, on_result)
 
     def num_waiting(self) -> int:
-        return len(self.core.scheduler.waiting) + len(self.core.scheduler.compiling)
+        return self.core_client.stats().num_waiting
 
     def scheduler_stats(self) -> SchedulerStats:
-        """Live: read now, not at the last step."""
-        return self.core.stats()
+        """In process: read now; otherwise as of the core's last message."""
+        return self.core_client.stats()
+
+    def shutdown(self) -> None:
+        self.core_client.shutdown()
 
     # --- one step ---------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, interrupt: int | None = None) -> list[RequestOutput]:
+        """One core step's outputs. With a core in another process, waits for them, or until the
+        file descriptor `interrupt` turns readable (then returns [])."""
         try:
-            core_outs = self.core.step()
+            core_outs = self.core_client.get_output(interrupt)
         except EngineStepError as e:  # report the failed requests by the ids their callers know
             e.request_ids = self.output_processor.parents_of(e.request_ids)
             self.output_processor.abort(e.request_ids)
             raise
         outputs, to_abort, it_stats = self.output_processor.process(core_outs.outputs, time.monotonic())
         if to_abort:  # stop strings: the core keeps generating until told
-            self.core.abort_requests(to_abort)
+            self.core_client.abort_requests(to_abort)
         self.last_iteration_stats = it_stats
         self.last_scheduler_stats = core_outs.scheduler_stats
         for stat_logger in self.stat_loggers:

@@ -45,6 +45,7 @@ class LoggingStatLogger(StatLogger):
         self.last = time.monotonic()
         self.prompt_tokens = self.gen_tokens = 0
         self.last_queries = self.last_hits = 0
+        self.last_draft_tokens = self.last_accepted = self.last_drafts = 0
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         self.prompt_tokens += it.num_prompt_tokens
@@ -59,5 +60,14 @@ class LoggingStatLogger(StatLogger):
                         "prefix cache hit rate %.1f%%, preemptions %d", self.prompt_tokens / dt,
                         self.gen_tokens / dt, sched.num_running, sched.num_waiting,
                         100 * sched.kv_cache_usage, 100 * h / q if q else 0.0, sched.num_preemptions)
+        spec = sched.spec_decoding
+        if spec is not None and spec.num_draft_tokens > self.last_draft_tokens:
+            drafted = spec.num_draft_tokens - self.last_draft_tokens
+            accepted = spec.num_accepted_tokens - self.last_accepted
+            logger.info("speculative decoding: %d draft tokens, acceptance rate %.1f%%, mean acceptance length "
+                        "%.2f", drafted, 100 * accepted / drafted,
+                        1 + accepted / max(spec.num_drafts - self.last_drafts, 1))
+            self.last_draft_tokens, self.last_accepted = spec.num_draft_tokens, spec.num_accepted_tokens
+            self.last_drafts = spec.num_drafts
         self.last, self.prompt_tokens, self.gen_tokens = now, 0, 0
         self.last_queries, self.last_hits = sched.prefix_queries, sched.prefix_hits

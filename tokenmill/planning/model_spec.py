@@ -11,9 +11,6 @@ from tokenmill.config import EngineConfig
 from tokenmill.model.model_config import ModelConfig
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# weight-only quantization at load: bytes per weight of a linear layer, scales included (int8: a
-# float32 scale per row; int4: fp16 scale and offset per group of 32 (Q4_1) or 128 (I4_G128))
-_QUANT_BYTES = {"int8": 1 + 4 / 4096, "int4": 0.5 + 4 / 128, "int4_g32": 0.5 + 4 / 32}
 
 
 @dataclass(frozen=True)
@@ -47,11 +44,26 @@ class ModelSpec:
                 "quantization": self.quantization, "kv_cache_dtype": self.kv_cache_dtype}
 
 
+def _linear_shapes(c: ModelConfig) -> list[tuple[int, int]]:
+    """(out, in) of one layer's qkv, o, gate_up and down projections."""
+    return [((c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim, c.hidden_size),
+            (c.hidden_size, c.num_attention_heads * c.head_dim), (2 * c.intermediate_size, c.hidden_size),
+            (c.hidden_size, c.intermediate_size)]
+
+
 def linear_params(c: ModelConfig) -> int:
-    qkv = c.hidden_size * (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
-    o = c.num_attention_heads * c.head_dim * c.hidden_size
-    mlp = 3 * c.hidden_size * c.intermediate_size
-    return c.num_hidden_layers * (qkv + o + mlp)
+    return c.num_hidden_layers * sum(n * k for n, k in _linear_shapes(c))
+
+
+def quantized_linear_bytes(c: ModelConfig, quant: str, group_size: int) -> int:
+    """The linear layers as `--quantization int8|int4` stores them (layers/quantization/formats.py):
+    int8 rows of [float32 scale][K int8]; int4 blocks of 32 (Q4_1, 20 bytes) or 128 (68 bytes)."""
+    def row(k: int) -> int:
+        if quant == "int8":
+            return 4 + k
+        return k // 32 * 20 if group_size == 32 else k // 128 * 68
+
+    return c.num_hidden_layers * sum(n * row(k) for n, k in _linear_shapes(c))
 
 
 def total_params(c: ModelConfig) -> int:
@@ -93,8 +105,8 @@ def model_spec(config: EngineConfig) -> ModelSpec:
     if quant == "gguf":
         weights = _gguf_packed_bytes(source)
     elif quant in ("int8", "int4"):
-        per_weight = _QUANT_BYTES["int4_g32" if quant == "int4" and config.quant.quant_group_size == 32 else quant]
-        weights = dense - linear_params(mc) * (_DTYPE_BYTES[dtype] - per_weight)
+        weights = (dense - linear_params(mc) * _DTYPE_BYTES[dtype]
+                   + quantized_linear_bytes(mc, quant, config.quant.quant_group_size))
     else:
         weights = dense
     kv_dtype = getattr(config.cache, "kv_cache_dtype", "auto") or "auto"

@@ -18,6 +18,11 @@ class LogitsProcessor:
         """logits: [len(states), vocab], row i belongs to states[i]; edit in place."""
         raise NotImplementedError
 
+    def prepare(self, states: Sequence[RequestState]) -> None:
+        """Called before the forward of the step that will sample `states` (the same list as the
+        coming call): work that depends only on tokens already accepted can start here and
+        overlap the forward."""
+
 
 class LogitBias(LogitsProcessor):
     def __call__(self, logits, states):
@@ -69,15 +74,24 @@ class GrammarMask(LogitsProcessor):
     def __init__(self):
         self._masks = None  # the batch bitmask, allocated on first use
 
+    def prepare(self, states):
+        grammars = [s.grammar for s in states]
+        first = next((g for g in grammars if g is not None), None)
+        if first is not None:
+            self._bitmasks(first.vocab_size).start(grammars)
+
     def __call__(self, logits, states):
         grammars = [s.grammar for s in states]
-        if all(g is None for g in grammars):
+        if self._masks is None and all(g is None for g in grammars):
             return
+        self._bitmasks(logits.shape[-1]).apply(logits, grammars)
+
+    def _bitmasks(self, vocab_size: int):
         if self._masks is None:
             from tokenmill.structured_output.matcher import GrammarBitmasks  # xgrammar: only when used
 
-            self._masks = GrammarBitmasks(logits.shape[-1])
-        self._masks.apply(logits, grammars)
+            self._masks = GrammarBitmasks(vocab_size)
+        return self._masks
 
 
 def default_processors() -> list[LogitsProcessor]:

@@ -2,7 +2,9 @@
 
 The flat batch holds every scheduled sequence's new tokens back to back, decodes (one token)
 first, then prefill chunks: token ids, positions, the cache slot of every token, and per sequence
-the query length, context length and block table. No padding between sequences.
+the query length, context length and block table. No padding between sequences. A request
+verifying k draft tokens (speculative decoding) is a decode of 1 + k tokens; after sampling, the
+proposer drafts the next step's tokens.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from tokenmill.distributed.partition import split_evenly
 from tokenmill.model.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.worker.request_state import GrammarSource, RequestState, RequestStates
 from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
+from tokenmill.worker.spec_decode import Proposer, speculates
+from tokenmill.worker.spec_decode.rejection_sampler import RejectionSampler
 
 _PROMPT_LOGITS_CHUNK = 256  # rows of full-vocab logits materialized at once for prompt logprobs
 
@@ -24,13 +28,15 @@ _PROMPT_LOGITS_CHUNK = 256  # rows of full-vocab logits materialized at once for
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, block_size: int,
                  vocab_size: int, device: torch.device, seed: int, fail_on_token: int | None = None,
-                 grammars: GrammarSource | None = None):
+                 grammars: GrammarSource | None = None, proposer: Proposer | None = None):
         self.model = model
         self.backend = backend
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        self.rejection_sampler = RejectionSampler(self.sampler, vocab_size)
+        self.proposer = proposer  # speculative decoding: drafts for the next step
         self.requests = RequestStates(grammars)
         self.kv_cache: torch.Tensor | None = None
         # fault injection for testing the engine's error handling (TOKENMILL_DEBUG_FAIL_ON_TOKEN)
@@ -38,20 +44,8 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                           storage: torch.dtype | None = None) -> None:
-        layers = self.model.kv_caches()
-        if storage is not None:  # int8 / fp8 (+ scales), or bf16 under an fp32 model
-            from tokenmill.model.attention.quant_kv import allocate
-
-            caches = allocate(len(layers), num_blocks, self.block_size, num_kv_heads, head_dim, storage, self.device)
-            self.kv_cache = caches[0].data  # keeps the pool alive (each layer's cache is a view of it)
-            for layer, cache in zip(layers, caches):
-                layer.kv_cache = cache
-            return
-        # zeros, not empty: masked-out slots are still read, and garbage NaNs would poison softmax
-        self.kv_cache = torch.zeros(len(layers), 2, num_blocks, self.block_size, num_kv_heads, head_dim,
-                                    dtype=dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.kv_cache = self.kv_cache[i]
+        self.kv_cache = allocate_kv_cache(self.model, num_blocks, self.block_size, num_kv_heads, head_dim, dtype,
+                                          storage, self.device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
@@ -66,33 +60,41 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if not batch:
             return out
-        batch.sort(key=lambda row: row[1] != 1)  # decodes first (stable)
-        if self.fail_on_token is not None and any(self.fail_on_token in s.token_ids[s.num_computed_tokens:
-                                                                                  s.num_computed_tokens + n]
-                                                  for s, n in batch):
+        batch.sort(key=lambda row: row[1] != 1 + len(row[2]))  # decodes (and verifications) first, stable
+        if self.fail_on_token is not None and any(
+                self.fail_on_token in (s.token_ids + d)[s.num_computed_tokens:s.num_computed_tokens + n]
+                for s, n, d in batch):
             raise RuntimeError(f"injected fault: token {self.fail_on_token} in the batch")
+        samples = distributed.state().is_last_stage  # earlier pipeline stages pass hidden states on
+        rows = [i for i, (state, n, drafts) in enumerate(batch) if state.samples(n) and not drafts]
+        states = [batch[i][0] for i in rows]
+        if rows and samples:
+            self.sampler.prepare(states)  # e.g. grammar bitmasks, while the model runs
         hidden = self._forward(batch)
-        if hidden is None:  # an earlier pipeline stage: the last one samples
+        if hidden is None:
             return out
 
-        ends = np.cumsum([n for _, n in batch])
-        rows = [i for i, (state, n) in enumerate(batch) if state.samples(n)]
+        ends = np.cumsum([n for _, n, _ in batch])
         if rows:
             idx = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
             logits = self.model.compute_logits(hidden[idx])
-            states = [batch[i][0] for i in rows]
             result = self.sampler(logits, SamplingBatch.build(states, self.vocab_size, self.device))
             for state, tok, lp in zip(states, result.token_ids, result.logprobs):
                 state.append(tok)
                 out.sampled_token_ids[state.req_id] = [tok]
                 if lp is not None:
                     out.logprobs[state.req_id] = [lp]
-        for i, (state, n) in enumerate(batch):
+        verify = [i for i, (_, _, drafts) in enumerate(batch) if drafts]
+        if verify:
+            self._verify([batch[i] for i in verify], [int(ends[i]) for i in verify], hidden, out)
+        for i, (state, n, _) in enumerate(batch):
             if state.params.prompt_logprobs is not None:
                 self._prompt_logprobs(state, n, hidden, int(ends[i]) - n, out)
+        if self.proposer is not None:
+            self._propose([batch[i][0] for i in rows + verify], out)
         return out
 
-    def _forward(self, batch: list[tuple[RequestState, int]]) -> torch.Tensor | None:
+    def _forward(self, batch: list[tuple[RequestState, int, list[int]]]) -> torch.Tensor | None:
         """The model over the batch. With pipeline stages, the batch runs as micro-batches (as many
         as stages): a stage passes one on and starts the next while the following stage works."""
         st = distributed.state()
@@ -116,25 +118,35 @@ class ModelRunner:
                 distributed.pp_send(list(out), st.pp_rank + 1)
         return torch.cat(hidden) if hidden else None
 
-    def prepare_inputs(self, batch: list[tuple[RequestState, int]]):
-        bs = self.block_size
-        ids, pos, slots, q_lens, seq_lens, tables = [], [], [], [], [], []
-        for state, n in batch:
-            start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            ids.extend(state.token_ids[start:end])
-            p = np.arange(start, end)
-            table = np.asarray(state.block_ids)
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-            q_lens.append(n)
-            seq_lens.append(end)
-            tables.append(state.block_ids)
-        dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.from_numpy(np.concatenate(pos)).to(dev)
-        slot_mapping = torch.from_numpy(np.concatenate(slots)).to(dev)
-        num_decodes = next((i for i, q in enumerate(q_lens) if q != 1), len(q_lens))  # the leading ones
-        return input_ids, positions, BatchLayout(q_lens, seq_lens, tables, slot_mapping, num_decodes)
+    def _verify(self, rows, ends: list[int], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Drafts were fed after each request's last token: the logits at those 1 + k positions
+        decide which drafts stand (rejection_sampler.py)."""
+        idx = torch.tensor([p for (_, _, d), end in zip(rows, ends) for p in range(end - 1 - len(d), end)],
+                           device=self.device)
+        logits = self.model.compute_logits(hidden[idx])
+        results = self.rejection_sampler(logits, [(state, drafts) for state, _, drafts in rows])
+        for (state, _, _), (tokens, logprobs) in zip(rows, results):
+            for tok in tokens:
+                state.append(tok)
+            out.sampled_token_ids[state.req_id] = tokens
+            if logprobs is not None:
+                out.logprobs[state.req_id] = logprobs
+
+    def _propose(self, states: list[RequestState], out: ModelRunnerOutput) -> None:
+        states = [s for s in states if speculates(s)]
+        if not states:
+            return
+        for state, drafts in zip(states, self.proposer.propose(states)):
+            if drafts:
+                out.spec_token_ids[state.req_id] = drafts
+
+    def prepare_inputs(self, batch: list[tuple[RequestState, int, list[int]]]):
+        rows = []
+        for state, n, drafts in batch:
+            start = state.num_computed_tokens
+            tokens = (state.token_ids + drafts) if drafts else state.token_ids
+            rows.append((tokens[start:start + n], start, state.block_ids, n == 1 + len(drafts)))
+        return flat_batch(rows, self.block_size, self.device)
 
     def _prompt_logprobs(self, state: RequestState, n: int, hidden: torch.Tensor, row0: int,
                          out: ModelRunnerOutput) -> None:
@@ -150,3 +162,43 @@ class ModelRunner:
             targets = torch.tensor(state.token_ids[a + 1:b + 1], device=self.device)
             entries.extend(prompt_logprobs(logits, targets, state.params.prompt_logprobs))
         out.prompt_logprobs[state.req_id] = PromptLogprobs(start + 1, entries)
+
+
+def flat_batch(rows: list[tuple[list[int], int, list[int], bool]], block_size: int, device: torch.device):
+    """(new token ids, position of the first, block table, decodes) per sequence, decodes first ->
+    input ids, positions and the attention layout of one flat batch."""
+    ids, pos, slots, q_lens, seq_lens, tables = [], [], [], [], [], []
+    num_decodes = 0
+    for new_ids, start, block_ids, decodes in rows:
+        n = len(new_ids)
+        ids.extend(new_ids)
+        p = np.arange(start, start + n)
+        pos.append(p)
+        slots.append(np.asarray(block_ids)[p // block_size] * block_size + p % block_size)
+        q_lens.append(n)
+        seq_lens.append(start + n)
+        tables.append(block_ids)
+        num_decodes += num_decodes == len(q_lens) - 1 and decodes  # the leading ones
+    input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+    positions = torch.from_numpy(np.concatenate(pos)).to(device)
+    slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)
+    return input_ids, positions, BatchLayout(q_lens, seq_lens, tables, slot_mapping, num_decodes)
+
+
+def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype, storage: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """A paged KV cache for every attention layer of `model`, bound to the layers; returns the
+    tensor that keeps it alive."""
+    layers = model.kv_caches()
+    if storage is not None:  # int8 / fp8 (+ scales), or bf16 under an fp32 model
+        from tokenmill.model.attention.quant_kv import allocate
+
+        caches = allocate(len(layers), num_blocks, block_size, num_kv_heads, head_dim, storage, device)
+        for layer, cache in zip(layers, caches):
+            layer.kv_cache = cache
+        return caches[0].data  # each layer's cache is a view of it
+    # zeros, not empty: masked-out slots are still read, and garbage NaNs would poison softmax
+    kv_cache = torch.zeros(len(layers), 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    for i, layer in enumerate(layers):
+        layer.kv_cache = kv_cache[i]
+    return kv_cache

@@ -39,6 +39,7 @@ class RequestState:
     output_token_ids: list[int]
     min_tokens_banned: list[int]  # stop tokens (and EOS unless ignore_eos), banned before min_tokens
     grammar: GrammarState | None = None  # structured output: where the output is in its grammar
+    draft_num_computed: int = 0  # speculative decoding with a draft model: tokens with its KV
 
     @classmethod
     def new(cls, r: NewRequestData, device: torch.device, grammars: GrammarSource | None = None) -> RequestState:
@@ -56,8 +57,18 @@ class RequestState:
                    r.num_computed_tokens, [], sorted(banned), grammar)
 
     def samples(self, num_new: int) -> bool:
-        """Whether a step computing `num_new` tokens reaches the last known token (so samples)."""
-        return self.num_computed_tokens + num_new == len(self.token_ids)
+        """Whether a step computing `num_new` tokens reaches the last known token (so samples);
+        `num_new` counts the step's draft tokens, which come after the known ones."""
+        return self.num_computed_tokens + num_new >= len(self.token_ids)
+
+    def with_drafts(self, drafts: list[int]) -> RequestState:
+        """A view of this request as if `drafts` had been sampled, for the logits processors at a
+        draft position (penalties and min_tokens see the tokens before it)."""
+        if not drafts:
+            return self
+        return RequestState(self.req_id, self.token_ids + drafts, self.num_prompt_tokens, self.params,
+                            self.generator, self.block_ids, self.num_computed_tokens,
+                            self.output_token_ids + drafts, self.min_tokens_banned, None)
 
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -81,15 +92,20 @@ class RequestStates(dict[str, RequestState]):
         super().__init__()
         self.grammars = grammars
 
-    def apply(self, sched: SchedulerOutput, device: torch.device) -> list[tuple[RequestState, int]]:
-        """Bring the states up to date; returns (state, new tokens) of this step's batch, in
-        scheduling order."""
+    def apply(self, sched: SchedulerOutput, device: torch.device) -> list[tuple[RequestState, int, list[int]]]:
+        """Bring the states up to date; returns (state, new tokens, draft tokens) of this step's
+        batch, in scheduling order (new tokens count the drafts)."""
         for rid in sched.finished_req_ids:  # first: a new request may reuse a finished one's id
             self.pop(rid, None)
+        for rid, keep in sched.num_kept_blocks.items():
+            state = self.get(rid)
+            if state is not None:
+                del state.block_ids[keep:]
         for rid in sched.preempted_req_ids:
             state = self.get(rid)
             if state is not None:
                 state.block_ids = []
+                state.draft_num_computed = 0
         for r in sched.scheduled_new_reqs:
             self[r.req_id] = RequestState.new(r, device, self.grammars)
         for r in sched.scheduled_cached_reqs:
@@ -99,4 +115,7 @@ class RequestStates(dict[str, RequestState]):
             else:
                 state.block_ids.extend(r.new_block_ids)
             state.num_computed_tokens = r.num_computed_tokens
-        return [(self[rid], n) for rid, n in sched.num_scheduled_tokens.items()]
+            # past a rejected draft, the draft model's KV is void too
+            state.draft_num_computed = min(state.draft_num_computed, r.num_computed_tokens)
+        spec = sched.scheduled_spec_decode_tokens
+        return [(self[rid], n, spec.get(rid, [])) for rid, n in sched.num_scheduled_tokens.items()]

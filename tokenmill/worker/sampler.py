@@ -65,10 +65,16 @@ class Sampler:
         self.generator = generator  # for requests without a seed
         self.processors = list(default_processors() if processors is None else processors)
 
+    def prepare(self, states: list[RequestState]) -> None:
+        """Before the forward of a step that will sample `states`: lets the processors start
+        work that needs no logits (a grammar's bitmask) so it overlaps the forward."""
+        for processor in self.processors:
+            processor.prepare(states)
+
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
-        logits = self._process(logits, batch)
+        logits = self.process(logits, batch)
         greedy = logits.max(dim=-1).indices if batch.greedy.any() else None  # max() is ~2.5x faster than argmax()
         if batch.all_greedy:
             sampled = greedy
@@ -77,27 +83,16 @@ class Sampler:
             if greedy is not None:
                 sampled = torch.where(batch.greedy, greedy, sampled)
         token_ids = sampled.tolist()
-        logprobs = self._logprobs(raw_logprobs, sampled, batch) if raw_logprobs is not None else [None] * len(token_ids)
+        logprobs = self.logprobs(raw_logprobs, sampled, batch) if raw_logprobs is not None else [None] * len(token_ids)
         return SamplerOutput(token_ids, logprobs)
 
-    def _process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         for processor in self.processors:
             processor(logits, batch.states)
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        # In place on the (fresh, per-step) logits: no new vocab-sized buffers.
-        probs = logits.div_(batch.temperature.unsqueeze(1))
-        probs = probs.sub_(probs.max(dim=-1, keepdim=True).values).exp_()  # unnormalized: max is 1
-        if batch.top_k is not None:
-            k_max = int(batch.top_k.max())
-            top = torch.topk(probs, k_max, dim=-1).values
-            kth = top.gather(1, (batch.top_k.clamp(max=k_max) - 1).unsqueeze(1))
-            probs.masked_fill_(probs < kth, 0.0)
-        if batch.top_p is not None:
-            probs.masked_fill_(probs < _top_p_threshold(probs, batch.top_p), 0.0)
-        if batch.min_p is not None:
-            probs.masked_fill_(probs < batch.min_p.unsqueeze(1), 0.0)  # the top token's weight is 1
+        probs = self.filtered_probs(logits, batch)
         # Inverse-CDF sampling: one uniform draw per row (a full-vocab Exp/Gumbel draw costs ~50 ms
         # per step on CPU). The CDF need not be normalized: u is scaled by its total.
         cdf = probs.cumsum_(dim=-1)
@@ -110,9 +105,26 @@ class Sampler:
         u = (u * cdf[:, -1]).unsqueeze(1)
         return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
+    @staticmethod
+    def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p: each row's distribution, unnormalized (its top token
+        weighs 1). In place on the (fresh, per-step) logits: no new vocab-sized buffers."""
+        probs = logits.div_(batch.temperature.unsqueeze(1))
+        probs = probs.sub_(probs.max(dim=-1, keepdim=True).values).exp_()  # unnormalized: max is 1
+        if batch.top_k is not None:
+            k_max = int(batch.top_k.max())
+            top = torch.topk(probs, k_max, dim=-1).values
+            kth = top.gather(1, (batch.top_k.clamp(max=k_max) - 1).unsqueeze(1))
+            probs.masked_fill_(probs < kth, 0.0)
+        if batch.top_p is not None:
+            probs.masked_fill_(probs < _top_p_threshold(probs, batch.top_p), 0.0)
+        if batch.min_p is not None:
+            probs.masked_fill_(probs < batch.min_p.unsqueeze(1), 0.0)  # the top token's weight is 1
+        return probs
+
     # --- logprobs ---------------------------------------------------------------------------------
     @staticmethod
-    def _logprobs(raw: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch):
+    def logprobs(raw: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch):
         k = batch.max_logprobs
         chosen = raw.gather(1, sampled.unsqueeze(1))
         ranks = (raw > chosen).sum(dim=-1) + 1

@@ -19,7 +19,7 @@ from tokenmill.model.attention import get_attention_backend
 from tokenmill.model.attention.quant_kv import bytes_per_token_head, storage_dtype
 from tokenmill.model.layers.batch_invariance import ROW_TILE, verify_row_invariance
 from tokenmill.model.layers.quantization import make_quant_config, resolve_quantization
-from tokenmill.model.loader import ModelSource, build_model, load_tokenizer
+from tokenmill.model.loader import ModelSource, build_model, load_model_config, load_tokenizer, resolve_model
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.model.quant_kernels import quant_kernels_available
 from tokenmill.structured_output.params import GrammarSpec
@@ -81,10 +81,12 @@ class Worker:
         logger.info("loaded %s (%s, %s, weights %s: %.0f MiB resident, process RSS %.0f MiB, %s attention) in "
                     "%.1fs", source.name, self.dtype, self.device, quant_desc, self.weight_bytes / 2**20,
                     rss_bytes() / 2**20, self.backend.name, time.monotonic() - t0)
+        self.draft_config: ModelConfig | None = None
+        self.proposer = self._build_proposer(progress)
         fail_on = os.environ.get("TOKENMILL_DEBUG_FAIL_ON_TOKEN")
         self.runner = ModelRunner(self.model, self.backend, config.cache.block_size, model_config.vocab_size,
                                   self.device, config.model.seed, fail_on_token=int(fail_on) if fail_on else None,
-                                  grammars=self.prepare_grammar)
+                                  grammars=self.prepare_grammar, proposer=self.proposer)
         self._grammar_compiler = None
         self.kv_storage = storage_dtype(config.cache.kv_cache_dtype, self.dtype)
         if self.kv_storage is not None and (self.backend.name != "cpu_paged" or not quant_kernels_available()):
@@ -93,6 +95,49 @@ class Worker:
         self.num_blocks = self._num_kv_blocks()
         self.runner.allocate_kv_cache(self.num_blocks, self.local_kv_heads,
                                       model_config.head_dim, self.dtype, self.kv_storage)
+        if self.draft_config is not None:
+            self.proposer.allocate_kv_cache(self.num_blocks, _local_kv_heads(self.draft_config),
+                                            self.draft_config.head_dim, self.dtype, self.kv_storage)
+
+    def _build_proposer(self, progress: bool):
+        spec = self.config.speculative
+        if not spec.enabled:
+            return None
+        if spec.method == "ngram":
+            from tokenmill.worker.spec_decode.ngram import NgramProposer
+
+            logger.info("speculative decoding: n-gram proposer, %d tokens, n-grams of %d..%d",
+                        spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return self._build_draft_model(spec, progress)
+
+    def _build_draft_model(self, spec, progress: bool):
+        from tokenmill.worker.spec_decode.draft_model import DraftModelProposer
+
+        source = resolve_model(spec.draft_model)
+        cfg = load_model_config(source)
+        target = self.model_config
+        if cfg.vocab_size != target.vocab_size or cfg.eos_token_id != target.eos_token_id:
+            raise ConfigError(f"draft model {source.name} has another vocabulary ({cfg.vocab_size} tokens, EOS "
+                              f"{cfg.eos_token_id}) than {self.source.name} ({target.vocab_size} tokens, EOS "
+                              f"{target.eos_token_id}): a draft must share the target's tokenizer",
+                              param="speculative_config")
+        t0 = time.monotonic()
+        q = self.config.quant
+        quant_config = make_quant_config(self.quantization, source, q.quant_group_size, q.quant_dense_min_rows,
+                                         q.quant_act_bits)
+        model = build_model(source, cfg, self.backend, self.max_model_len, self.dtype, self.device, progress=progress,
+                            quant_config=quant_config)
+        if self.fused_ops:
+            model.use_cpu_kernels()
+        if self.config.kernel.batch_invariant:
+            model.set_row_tile(ROW_TILE)
+        self.weight_bytes += model.weight_bytes
+        self.draft_config = cfg
+        logger.info("speculative decoding: draft model %s (%.0f MiB of weights) drafts %d tokens; loaded in %.1fs",
+                    source.name, model.weight_bytes / 2**20, spec.num_speculative_tokens, time.monotonic() - t0)
+        return DraftModelProposer(model, self.backend, self.config.cache.block_size, spec.num_speculative_tokens,
+                                  self.device, self.max_model_len)
 
     def prepare_grammar(self, spec: GrammarSpec) -> Future:
         """Compiles a structured-output grammar for this model's vocabulary on a background thread
@@ -105,15 +150,16 @@ class Worker:
     @property
     def local_kv_heads(self) -> int:
         """KV heads in this rank's cache (all of them without tensor parallelism)."""
-        st = distributed.state()
-        return attention_heads(self.model_config.num_attention_heads, self.model_config.num_key_value_heads,
-                               st.tp_size, st.tp_rank).num_kv_heads
+        return _local_kv_heads(self.model_config)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV bytes per token over every rank (the budget is the engine's, shared by its ranks)."""
-        m, st = self.model_config, distributed.state()
-        heads = total_kv_heads(m.num_attention_heads, m.num_key_value_heads, st.tp_size)
+        """KV bytes per token over every rank (the budget is the engine's, shared by its ranks), both
+        the target's and a draft model's K/V (they share blocks)."""
+        return sum(self._kv_bytes(m) for m in (self.model_config, self.draft_config) if m is not None)
+
+    def _kv_bytes(self, m: ModelConfig) -> int:
+        heads = total_kv_heads(m.num_attention_heads, m.num_key_value_heads, distributed.state().tp_size)
         return 2 * m.num_hidden_layers * heads * bytes_per_token_head(self.kv_storage, self.dtype, m.head_dim)
 
     def _kv_budget(self) -> int:
@@ -130,8 +176,15 @@ class Worker:
             torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN)
             kv = replace(kv, num_blocks=int(blocks))
         kv_dtype = str(self.kv_storage or self.dtype).removeprefix("torch.")
-        logger.info("KV cache: %.1f MiB budget, %s (%d bytes/token), %d blocks of %d tokens (%d tokens); "
+        draft = f", of which the draft model {self._kv_bytes(self.draft_config)}" if self.draft_config else ""
+        logger.info("KV cache: %.1f MiB budget, %s (%d bytes/token%s), %d blocks of %d tokens (%d tokens); "
                     "max concurrency at max_model_len=%d: %.1fx", kv.budget / 2**20, kv_dtype, kv.bytes_per_token,
+                    draft,
                     kv.num_blocks, kv.block_size, kv.num_tokens, self.max_model_len,
                     kv.num_tokens / self.max_model_len)
         return kv.num_blocks
+
+
+def _local_kv_heads(m: ModelConfig) -> int:
+    st = distributed.state()
+    return attention_heads(m.num_attention_heads, m.num_key_value_heads, st.tp_size, st.tp_rank).num_kv_heads

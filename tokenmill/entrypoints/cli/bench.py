@@ -43,6 +43,7 @@ def register(sub) -> None:
     t.add_argument("--range-ratio", type=float, default=0.0, help="Lengths vary uniformly by +-this fraction.")
     t.add_argument("--dataset", default=None, help="JSONL of {\"prompt\", \"output_len\"} instead of synthetic.")
     t.add_argument("--workload-seed", type=int, default=0)
+    t.add_argument("--temperature", type=float, default=1.0, help="Sampling temperature (0: greedy).")
     t.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     t.add_argument("--output-json", default=None)
     add_engine_args(t)

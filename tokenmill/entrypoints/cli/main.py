@@ -11,7 +11,7 @@ from tokenmill.errors import TokenmillError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tokenmill.entrypoints.cli import bench, calibrate, estimate, generate, serve, simulate
+    from tokenmill.entrypoints.cli import bench, calibrate, estimate, generate, router, serve, simulate
 
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine and OpenAI-compatible server.")
     parser.add_argument("--version", action="version", version=f"tokenmill {__version__}")
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.register(sub)
     estimate.register(sub)
     simulate.register(sub)
+    router.register(sub)
     return parser
 
 

@@ -86,7 +86,8 @@ class ServerState:
         threading.Thread(target=build, name="tokenmill-load", daemon=True).start()
         aengine: AsyncLLMEngine = await done
         self.model_name = aengine.served_model_name
-        self.metrics = PrometheusStatLogger(self.model_name, aengine.scheduler_stats)
+        self.metrics = PrometheusStatLogger(self.model_name, aengine.scheduler_stats,
+                                            replica_stats=aengine.replica_stats)
         if self.slo_gate is not None:
             self.slo_gate.rejections = Counter(
                 "tokenmill:slo_admission_rejected", "Requests rejected with 429 by --slo admission.",

@@ -66,6 +66,12 @@ class _Server:
 
 
 def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "info") -> int:
+    parallel = engine_config.parallel
+    if parallel.distributed_executor_backend == "ray" and parallel.data_parallel_size > 1:
+        from tokenmill.engine.ray_client import init_ray
+
+        # here, not on the loading thread: a local Ray's processes die with the thread that started them
+        init_ray()
     server = _Server(engine_config, config, log_level)
     try:
         import uvloop

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tokenmill.core.messages import SchedulerStats
+from tokenmill.core.messages import SchedulerStats, SpecDecodingStats
 from tokenmill.engine.stats import IterationStats, StatLogger
 
 _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -16,15 +16,29 @@ _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 5
 
 class PrometheusStatLogger(StatLogger):
     """Counters and histograms are fed after every step; the gauges are read at scrape time from
-    `live_stats` (so an abort that empties the engine shows at once, without another step)."""
+    `live_stats` (so an abort that empties the engine shows at once, without another step).
 
-    def __init__(self, model_name: str, live_stats, registry: CollectorRegistry | None = None):
+    With data-parallel replicas (`replica_stats` given), generation_tokens_total,
+    num_requests_running and kv_cache_usage_perc are per replica, with a `replica` label (as vLLM's
+    data-parallel metrics carry an engine label); the other series cover all replicas."""
+
+    def __init__(self, model_name: str, live_stats, registry: CollectorRegistry | None = None,
+                 replica_stats=None):
         self.registry = registry or CollectorRegistry()
         labels = ["model_name"]
         r, m = self.registry, {"model_name": model_name}
+        self.replica_stats = replica_stats
+        per_replica = range(len(replica_stats())) if replica_stats is not None else ()
 
-        def gauge(name, doc):
-            return Gauge(f"tokenmill:{name}", doc, labels, registry=r).labels(**m)
+        def gauge(name, doc, by_replica=None):
+            if not per_replica or by_replica is None:
+                return Gauge(f"tokenmill:{name}", doc, labels, registry=r).labels(**m).set_function(
+                    lambda: getattr(live_stats(), name_of[name]))
+            g = Gauge(f"tokenmill:{name}", doc, [*labels, "replica"], registry=r)
+            for i in per_replica:
+                g.labels(model_name=model_name, replica=str(i)).set_function(
+                    lambda i=i: by_replica(replica_stats()[i].scheduler))
+            return g
 
         def counter(name, doc):
             return Counter(f"tokenmill:{name}", doc, labels, registry=r).labels(**m)
@@ -32,19 +46,22 @@ class PrometheusStatLogger(StatLogger):
         def hist(name, doc, buckets):
             return Histogram(f"tokenmill:{name}", doc, labels, buckets=buckets, registry=r).labels(**m)
 
-        gauge("num_requests_running", "Requests in the running batch.").set_function(
-            lambda: live_stats().num_running)
-        gauge("num_requests_waiting", "Requests waiting to be scheduled.").set_function(
-            lambda: live_stats().num_waiting)
-        gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).").set_function(
-            lambda: live_stats().kv_cache_usage)
-        gauge("kv_cache_blocks_total", "KV cache blocks in the pool.").set_function(
-            lambda: live_stats().kv_blocks_total)
+        name_of = {"num_requests_running": "num_running", "num_requests_waiting": "num_waiting",
+                   "kv_cache_usage_perc": "kv_cache_usage", "kv_cache_blocks_total": "kv_blocks_total"}
+        gauge("num_requests_running", "Requests in the running batch.", lambda s: s.num_running)
+        gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", lambda s: s.kv_cache_usage)
+        gauge("kv_cache_blocks_total", "KV cache blocks in the pool.")
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (KV cache exhausted).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got a first token.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        if per_replica:
+            gen = Counter("tokenmill:generation_tokens", "Generated tokens.", [*labels, "replica"], registry=r)
+            self.generation_by_replica = [gen.labels(model_name=model_name, replica=str(i)) for i in per_replica]
+            self._last_generated = [0 for _ in per_replica]
+        else:
+            self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = Counter("tokenmill:request_success", "Finished requests (each of n samples) by finish reason.",
                                ["model_name", "finished_reason"], registry=r)
         self.model_name = model_name
@@ -55,6 +72,13 @@ class PrometheusStatLogger(StatLogger):
         self.req_prompt = hist("request_prompt_tokens", "Prompt length of finished requests.", _TOKENS)
         self.req_gen = hist("request_generation_tokens", "Generated tokens of finished requests.", _TOKENS)
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifications (a request's drafts).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_per_pos = Counter("tokenmill:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the draft.", ["model_name", "position"],
+                                    registry=r)
+        self._last_spec = SpecDecodingStats()
 
     def record(self, sched: SchedulerStats, it: IterationStats) -> None:
         # the scheduler's counters are cumulative; Prometheus counters take increments
@@ -63,8 +87,15 @@ class PrometheusStatLogger(StatLogger):
         self.preemptions.inc(sched.num_preemptions - self._last_preemptions)
         self._last_queries, self._last_hits = sched.prefix_queries, sched.prefix_hits
         self._last_preemptions = sched.num_preemptions
+        if sched.spec_decoding is not None:
+            self._record_spec(sched.spec_decoding)
         self.prompt_tokens.inc(it.num_prompt_tokens)
-        self.generation_tokens.inc(it.num_generation_tokens)
+        if self.replica_stats is None:
+            self.generation_tokens.inc(it.num_generation_tokens)
+        else:
+            for i, rs in enumerate(self.replica_stats()):
+                self.generation_by_replica[i].inc(max(0, rs.generation_tokens - self._last_generated[i]))
+                self._last_generated[i] = rs.generation_tokens
         for t in it.ttfts:
             self.ttft.observe(t)
         for t in it.itls:
@@ -76,3 +107,15 @@ class PrometheusStatLogger(StatLogger):
             self.queue.observe(f.queue_time)
             self.req_prompt.observe(f.num_prompt_tokens)
             self.req_gen.observe(f.num_generation_tokens)
+
+    def _record_spec(self, spec: SpecDecodingStats) -> None:
+        last = self._last_spec
+        self.spec_drafts.inc(spec.num_drafts - last.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - last.num_draft_tokens)
+        self.spec_accepted.inc(spec.num_accepted_tokens - last.num_accepted_tokens)
+        before = last.num_accepted_tokens_per_pos
+        for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+            delta = n - (before[pos] if pos < len(before) else 0)
+            if delta:
+                self.spec_per_pos.labels(model_name=self.model_name, position=str(pos)).inc(delta)
+        self._last_spec = spec

@@ -3,7 +3,8 @@
 A backend turns the runner's per-sequence layout of a flat batch into its own metadata once per
 step (`build_metadata`), then, in every layer, writes the new K/V into the paged cache and attends
 each query to its sequence's cached context (`forward`). The flat batch is ordered decodes first
-(query length 1), then prefill chunks, so a backend can treat the two groups differently.
+(query length 1, or 1 + k when verifying k draft tokens), then prefill chunks, so a backend can
+treat the two groups differently.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class BatchLayout:
     seq_lens: list[int]  # context length per sequence after this step (cached + new)
     block_tables: list[list[int]]  # KV block ids per sequence, covering seq_len
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
-    num_decodes: int  # leading sequences with query_len == 1
+    num_decodes: int  # leading sequences that decode: query_len 1, or 1 + k drafts to verify
 
 
 class AttentionMetadata:

@@ -35,7 +35,7 @@ class GatheredDecodes:
 @dataclass
 class SDPAMetadata(AttentionMetadata):
     slot_mapping: torch.Tensor
-    num_decodes: int
+    num_decodes: int  # decode rows: one per decode token (a verification has 1 + k)
     decodes: object  # backend-specific decode data (None when there are no decodes)
     prefills: list[PrefillChunk]
 
@@ -50,13 +50,29 @@ def padded_block_table(tables: list[list[int]], lens: list[int], block_size: int
     return out
 
 
+def decode_rows(layout: BatchLayout) -> tuple[list[list[int]], list[int]]:
+    """One decode query per token of the decode group: a verification step's query of 1 + k tokens
+    (speculative decoding) becomes 1 + k rows over the same block table, each seeing the keys up
+    to itself, so it runs through the decode kernel reading K/V in place."""
+    nd = layout.num_decodes
+    q_lens, seq_lens, tables = layout.query_lens[:nd], layout.seq_lens[:nd], layout.block_tables[:nd]
+    if all(q == 1 for q in q_lens):
+        return tables, seq_lens
+    out_tables, out_lens = [], []
+    for q, ctx, table in zip(q_lens, seq_lens, tables):
+        for i in range(ctx - q + 1, ctx + 1):
+            out_tables.append(table)
+            out_lens.append(i)
+    return out_tables, out_lens
+
+
 class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
     def build_metadata(self, layout: BatchLayout) -> SDPAMetadata:
-        nd = layout.num_decodes
-        decodes = self._decode_metadata(layout.block_tables[:nd], layout.seq_lens[:nd]) if nd else None
-        return SDPAMetadata(layout.slot_mapping, nd, decodes, self._prefill_metadata(layout))
+        tables, lens = decode_rows(layout)
+        decodes = self._decode_metadata(tables, lens) if lens else None
+        return SDPAMetadata(layout.slot_mapping, len(lens), decodes, self._prefill_metadata(layout))
 
     def _decode_metadata(self, tables: list[list[int]], lens: list[int]) -> GatheredDecodes:
         ids = padded_block_table(tables, lens, self.block_size)
@@ -66,7 +82,7 @@ class TorchSDPABackend(AttentionBackend):
 
     def _prefill_metadata(self, layout: BatchLayout) -> list[PrefillChunk]:
         dev, bs = self.device, self.block_size
-        prefills, start = [], layout.num_decodes
+        prefills, start = [], sum(layout.query_lens[:layout.num_decodes])
         for i in range(layout.num_decodes, len(layout.query_lens)):
             q_len, ctx = layout.query_lens[i], layout.seq_lens[i]
             block_ids = mask = None

@@ -24,7 +24,9 @@ from tokenmill.model.quant_kernels import quant_ops
 from tokenmill.utils.cpu import active_isa
 
 # measured crossovers (rows) per ISA level: see BENCHMARKS.md, "Quantized GEMM crossover"
-DENSE_MIN_ROWS = {"scalar": 1, "avx2": 16, "avx512": 16, "avx512_bf16": 32, "amx": 16}
+# (avx512_bf16: 128, measured 2026-11-22 on a Xeon without AMX; the others not yet re-measured since
+# the x8 layout made the packed kernel faster)
+DENSE_MIN_ROWS = {"scalar": 1, "avx2": 16, "avx512": 16, "avx512_bf16": 128, "amx": 16}
 
 
 def default_dense_min_rows() -> int:

@@ -1,0 +1,170 @@
+"""The engine core in its own process (engine/core_proc.py, engine/core_client.py): the same results
+as in process, and clean failure when that process dies or when the front end does."""
+
+from __future__ import annotations
+
+import gc
+import json
+import random
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.server_utils import ServerProcess
+from tokenmill import LLM, SamplingParams
+
+ENGINE = dict(dtype="float32", kv_cache_memory="128MiB", max_model_len=512, max_num_seqs=64, progress=False)
+WORDS = ["river", "engine", "stone", "garden", "quiet", "orbit", "paper", "signal", "copper", "harbor"]
+
+
+def _mixed_requests(n=64):
+    """64 requests of mixed prompt lengths and parameters: greedy, seeded sampling, logprobs, n=2,
+    stop strings, penalties, prompt logprobs."""
+    rng = random.Random(1)
+    prompts, params = [], []
+    for i in range(n):
+        prompts.append("Write about " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 120))))
+        kind = i % 6
+        if kind == 0:
+            p = SamplingParams(temperature=0, max_tokens=rng.randint(1, 32))
+        elif kind == 1:
+            p = SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=16)
+        elif kind == 2:
+            p = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+        elif kind == 3:
+            p = SamplingParams(temperature=1.0, n=2, seed=100 + i, max_tokens=10)
+        elif kind == 4:
+            p = SamplingParams(temperature=0, max_tokens=24, stop=["."], repetition_penalty=1.2)
+        else:
+            p = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
+        params.append(p)
+    return prompts, params
+
+
+def _summary(outputs):
+    rows = []
+    for o in outputs:
+        for c in o.outputs:
+            rows.append((o.request_id, c.index, c.text, c.token_ids, c.finish_reason, c.logprobs,
+                         c.cumulative_logprob))
+    return rows
+
+
+def test_multiprocess_core_matches_in_process():
+    prompts, params = _mixed_requests()
+    results = {}
+    for multiprocess in (False, True):
+        llm = LLM(engine_core_process=multiprocess, **ENGINE)
+        assert llm.engine.core_client.runs_in_process is not multiprocess
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[multiprocess] = _summary(outs), [o.prompt_logprobs for o in outs]
+        if multiprocess:
+            proc = llm.engine.core_client.proc
+            assert proc.is_alive()
+            llm.engine.shutdown()
+            assert not proc.is_alive()
+        del llm
+        gc.collect()
+    in_proc, multi = results[False], results[True]
+    assert len(in_proc[0]) == 64 + 64 // 6 + 1  # the n=2 requests give two completions each
+    for a, b in zip(in_proc[0], multi[0]):
+        assert a == b, f"request {a[0]} differs"
+    assert in_proc[1] == multi[1]
+
+
+def _core_pid(server: ServerProcess) -> int:
+    kids = [p for p in psutil.Process(server.proc.pid).children()
+            if any("spawn_main" in part for part in p.cmdline())]
+    assert len(kids) == 1, kids
+    return kids[0].pid
+
+
+def _stream(url: str, results: list, i: int) -> None:
+    body = {"prompt": f"Count slowly to one hundred, request {i}:", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    events, status = [], None
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[6:]))
+    except httpx.HTTPError as e:
+        events.append({"transport_error": repr(e)})
+    results[i] = (status, events)
+
+
+@pytest.mark.slow
+def test_core_death_fails_requests_cleanly_and_health_turns_503():
+    server = ServerProcess("--dtype", "float32").wait_ready()
+    try:
+        core = _core_pid(server)
+        results: list = [None] * 4
+        threads = [threading.Thread(target=_stream, args=(server.url, results, i)) for i in range(4)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while server.metrics().get("tokenmill:generation_tokens_total", 0) < 40 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        psutil.Process(core).send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), "a stream hung after the core died"
+        for status, events in results:
+            assert status == 200  # streaming: the headers went out before the core died
+            assert any("choices" in e for e in events)  # some tokens streamed first
+            err = events[-1].get("error")
+            assert err is not None, events[-1]
+            assert "engine core process" in err["message"] and "SIGKILL" in err["message"]
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code in (500, 503) and "error" in r.json()
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 503
+        assert server.stop() == 0
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_core_death_fails_a_waiting_non_streaming_request_with_500():
+    server = ServerProcess("--dtype", "float32").wait_ready()
+    try:
+        core = _core_pid(server)
+        box = {}
+
+        def call():
+            box["r"] = httpx.post(server.url + "/v1/completions", timeout=60, json={
+                "prompt": "Tell a long story", "max_tokens": 400, "temperature": 0, "ignore_eos": True})
+
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(1.5)
+        psutil.Process(core).kill()
+        t.join(30)
+        assert not t.is_alive()
+        r = box["r"]
+        assert r.status_code == 500
+        assert "engine core process" in r.json()["error"]["message"]
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_no_orphan_core_when_the_front_end_is_killed():
+    server = ServerProcess().wait_ready()
+    core = psutil.Process(_core_pid(server))
+    server.stop(signal.SIGKILL)
+    core.wait(timeout=10)  # the core sees its parent's sentinel and exits
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_core_process():
+    server = ServerProcess().wait_ready()
+    core = psutil.Process(_core_pid(server))
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200
+    assert server.stop(signal.SIGTERM) == 0
+    core.wait(timeout=10)

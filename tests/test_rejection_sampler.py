@@ -1,0 +1,125 @@
+"""Modified rejection sampling keeps the target distribution exactly.
+
+Synthetic target (p) and draft (q) distributions over a small vocabulary; many seeded draws of the
+verifier; Pearson's chi-square against p at significance 0.001 (critical value from the
+Wilson-Hilferty approximation). The same check rejects a deliberately biased rule (on rejection,
+draw from p instead of the residual max(p - q, 0)), so it can fail.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import torch
+
+from tokenmill.worker.spec_decode.ngram import ngram_drafts
+from tokenmill.worker.spec_decode.rejection_sampler import draw, verify_greedy, verify_sampled
+
+Z_999 = 3.0902  # standard normal quantile for significance 0.001
+N = 20000
+
+
+def chi2_critical(df: int, z: float = Z_999) -> float:
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_stat(counts: Counter, p: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of observed counts against probabilities p (cells with p > 0)."""
+    n = sum(counts.values())
+    cells = [i for i in range(len(p)) if p[i] > 0]
+    assert all(c in cells for c in counts), "a token of probability 0 was drawn"
+    stat = sum((counts.get(i, 0) - n * float(p[i])) ** 2 / (n * float(p[i])) for i in cells)
+    return stat, len(cells) - 1
+
+
+def assert_distributed_as(counts: Counter, p: torch.Tensor) -> None:
+    stat, df = chi2_stat(counts, p)
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} >= {chi2_critical(df):.1f} (df {df}): {sorted(counts.items())}"
+
+
+def _dists(seed: int, rows: int, vocab: int = 8) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(rows, vocab, generator=g) ** 3
+    p[:, -1] = 0.0  # a token the target never picks
+    return p / p.sum(dim=-1, keepdim=True)
+
+
+def test_one_hot_drafts_first_and_later_token_follow_p():
+    p = _dists(0, 3)
+    drafts = [int(p[0].argsort()[4]), int(p[1].argmax())]  # a middling draft, then a likely one
+    g = torch.Generator().manual_seed(1)
+    first, second = Counter(), Counter()
+    for _ in range(N):
+        out = verify_sampled(p, drafts, g)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:  # the first draft stood: the second token must follow p[1]
+            second[out[1]] += 1
+    assert_distributed_as(first, p[0])
+    assert_distributed_as(second, p[1])
+
+
+def _biased(p: torch.Tensor, drafts: list[int], g: torch.Generator, q: torch.Tensor) -> list[int]:
+    """Wrong: on rejection draws from p, not from max(p - q, 0)."""
+    for j, d in enumerate(drafts):
+        if float(torch.rand(1, generator=g)) * float(q[j, d]) < float(p[j, d]):
+            continue
+        return [draw(p[j], g)]
+    return [draw(p[len(drafts)], g)]
+
+
+def _draft_then_verify(verify, p, q, seed: int) -> Counter:
+    g = torch.Generator().manual_seed(seed)
+    counts = Counter()
+    for _ in range(N):
+        d = draw(q[0], g)
+        counts[verify(p, [d], g, q)[0]] += 1
+    return counts
+
+
+def test_general_draft_distribution_is_corrected_to_p_and_a_biased_rule_is_caught():
+    p, q = _dists(2, 2), _dists(3, 1)
+    assert_distributed_as(_draft_then_verify(verify_sampled, p, q, 4), p[0])
+    stat, df = chi2_stat(_draft_then_verify(_biased, p, q, 4), p[0])
+    assert stat > chi2_critical(df), "the check cannot tell a biased acceptance rule"
+
+
+def test_one_hot_draft_with_biased_rule_is_caught():
+    """Always keeping a one-hot draft over-weights it: the check sees that too."""
+    p = _dists(5, 2)
+    d = int(p[0, :-1].argmin())
+    counts = Counter({d: N // 10, int(p[0].argmax()): N - N // 10})
+    stat, df = chi2_stat(counts, p[0])
+    assert stat > chi2_critical(df)
+
+
+def test_seeded_verification_is_reproducible():
+    p = _dists(6, 4)
+    runs = []
+    for _ in range(2):
+        g = torch.Generator().manual_seed(8)
+        runs.append([verify_sampled(p, [1, 2, 3], g) for _ in range(50)])
+    assert runs[0] == runs[1]
+    assert len({tuple(r) for r in runs[0]}) > 1  # and random: the draws differ within a run
+
+
+def test_certain_drafts_are_always_kept():
+    p = torch.zeros(3, 5)
+    p[0, 2] = p[1, 4] = 1.0
+    p[2] = 0.2
+    g = torch.Generator().manual_seed(0)
+    assert all(verify_sampled(p, [2, 4], g)[:2] == [2, 4] for _ in range(200))
+
+
+def test_greedy_verification():
+    assert verify_greedy([5, 6, 7], [5, 6]) == [5, 6, 7]  # both kept, plus the bonus token
+    assert verify_greedy([5, 9, 7], [5, 6]) == [5, 9]  # the target's token replaces the first miss
+    assert verify_greedy([4, 6, 7], [5, 6]) == [4]
+
+
+def test_ngram_lookup():
+    t = np.array([1, 2, 3, 4, 9, 9, 1, 2, 3, 5, 6, 1, 2, 3])
+    assert ngram_drafts(t, 3, 2, 4) == [5, 6, 1]  # the most recent earlier "1 2 3" came before "5 6 1"
+    assert ngram_drafts(np.array([1, 2, 3, 4]), 3, 1, 3) == []
+    assert ngram_drafts(np.array([7, 8, 7]), 2, 1, 2) == [8, 7]

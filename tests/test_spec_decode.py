@@ -1,0 +1,225 @@
+"""Speculative decoding never changes a greedy result.
+
+64 concurrent requests (the mixed prompts of test_engine_consistency, many of them repetitive so
+that the n-gram proposer drafts a lot) run with speculation under chunked prefill, prefix caching
+and a pool small enough to preempt, with two structured-output requests (which do not speculate)
+in the batch; every greedy request's tokens equal the run without speculation. In fp32, and in
+bf16 with batch_invariant. The scheduler's bookkeeping on rejection is checked directly on
+plain data: num_computed_tokens moves back, rejected drafts' blocks are freed, and the prefix
+cache only ever hashes accepted tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.messages import CoreSamplingParams
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import ModelRunnerOutput
+from tokenmill.errors import ConfigError
+from tokenmill.structured_output.params import StructuredOutputsParams
+
+from .test_engine_consistency import CONFIGS, _prompts
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+GREEDY = SamplingParams(temperature=0, max_tokens=32)
+CHOICE = SamplingParams(temperature=0, max_tokens=8,
+                        structured_outputs=StructuredOutputsParams(choice=["yes indeed", "no way"]))
+BASE = dict(kv_cache_memory="128MiB", max_model_len=512, max_num_seqs=64)
+
+
+def _run(llm, prompts):
+    params = [CHOICE if i in (3, 40) else GREEDY for i in range(len(prompts))]
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _check_clean(llm):
+    core = llm.engine.core
+    assert core.kv.pool.num_free_blocks == core.kv.num_blocks  # nothing leaked
+    assert not core.worker.runner.requests
+    core.kv.pool.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def reference_fp32():
+    llm = LLM(dtype="float32", quantization="none", enable_prefix_caching=False, progress=False, **BASE)
+    prompts = _prompts(llm.get_tokenizer())
+    outs = _run(llm, prompts)
+    del llm
+    gc.collect()
+    return prompts, outs
+
+
+@pytest.mark.parametrize("name", ["prefix-cache-on", "chunk-16", "tiny-pool"])
+def test_ngram_greedy_identical_to_no_speculation(reference_fp32, name):
+    prompts, ref = reference_fp32
+    llm = LLM(dtype="float32", quantization="none", speculative_config=NGRAM, progress=False,
+              **{**BASE, **CONFIGS[name]})
+    outs = _run(llm, prompts)
+    for i, (out, r) in enumerate(zip(outs, ref)):
+        assert out.token_ids == r.token_ids, f"request {i} ({len(prompts[i])} prompt tokens)"
+        assert out.finish_reason == r.finish_reason
+    core = llm.engine.core
+    spec = core.stats().spec_decoding
+    assert spec is not None and spec.num_accepted_tokens > 0 and spec.num_draft_tokens > spec.num_accepted_tokens
+    if name == "tiny-pool":
+        assert core.scheduler.num_preemptions > 0
+    if name == "prefix-cache-on":
+        assert core.kv.prefix_hits > 0
+    _check_clean(llm)
+    del llm
+    gc.collect()
+
+
+def test_ngram_greedy_identical_in_bf16_batch_invariant():
+    args = dict(dtype="bfloat16", batch_invariant=True, progress=False, **BASE, **CONFIGS["chunk-16"])
+    llm = LLM(**args)
+    prompts = _prompts(llm.get_tokenizer())[:24]
+    ref = _run(llm, prompts)
+    del llm
+    llm = LLM(speculative_config=NGRAM, **args)
+    outs = _run(llm, prompts)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert llm.engine.core.stats().spec_decoding.num_accepted_tokens > 0
+    _check_clean(llm)
+    del llm
+    gc.collect()
+
+
+def test_abort_during_speculation_frees_everything(reference_fp32):
+    prompts, ref = reference_fp32
+    llm = LLM(dtype="float32", quantization="none", speculative_config=NGRAM, progress=False, **BASE)
+    engine = llm.engine
+    for i in range(8):
+        engine.add_request(str(i), prompts[i], GREEDY)
+    done = {}
+    for step in range(200):
+        if step == 6:
+            engine.abort_request(["1", "4", "6"])
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        if not engine.has_unfinished_requests():
+            break
+    assert set(done) - {"1", "4", "6"} == {"0", "2", "3", "5", "7"}
+    for rid in ("0", "2", "5", "7"):
+        assert done[rid].token_ids == ref[int(rid)].token_ids
+    _check_clean(llm)
+
+
+def _scheduler(num_blocks=8, block_size=4):
+    kv = KVCacheManager(num_blocks, block_size, enable_caching=True)
+    return Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64), kv
+
+
+def test_rejection_rewinds_and_frees_blocks_and_hashes_only_accepted_tokens():
+    sched, kv = _scheduler()
+    req = Request("r", [1, 2, 3, 4, 5, 6], CoreSamplingParams(temperature=0), [0], max_tokens=20, arrival_time=0)
+    sched.add_request(req)
+    out = sched.schedule()  # prefill: 6 tokens, 2 blocks
+    sched.update(out, ModelRunnerOutput({"r": [7]}, spec_token_ids={"r": [8, 9, 10, 11, 12, 13]}))
+    assert req.num_computed_tokens == 6 and req.spec_token_ids == [8, 9, 10, 11, 12, 13]
+    out = sched.schedule()  # verify: the last token + 6 drafts -> positions 6..12: 4 blocks
+    assert out.num_scheduled_tokens == {"r": 7} and out.scheduled_spec_decode_tokens == {"r": [8, 9, 10, 11, 12, 13]}
+    assert len(kv.block_ids(req)) == 4
+    # the target kept 8 and 9, then said 20 instead of 10: tokens 1..7, 8, 9, 20 (10 known)
+    sched.update(out, ModelRunnerOutput({"r": [8, 9, 20]}))
+    assert req.all_token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9, 20]
+    assert req.num_computed_tokens == 9  # KV of 1..9 is valid; 20's is computed next step
+    assert len(kv.block_ids(req)) == 3  # the 4th block only held rejected drafts
+    assert sched.stats().spec_decoding.num_accepted_tokens == 2
+    assert sched.stats().spec_decoding.num_accepted_tokens_per_pos == [1, 1, 0, 0, 0, 0]
+    out = sched.schedule()
+    assert out.num_kept_blocks == {"r": 3}  # the runner cuts its block table too
+    assert out.num_scheduled_tokens == {"r": 1}
+    # only blocks full of accepted tokens are in the prefix cache: [1..4], [5..8]
+    assert len(kv.pool.cached) == 2
+    assert kv._num_hashed["r"] == 2
+
+
+def test_drafts_give_way_before_anyone_is_preempted():
+    sched, kv = _scheduler(num_blocks=3)
+    a = Request("a", [1, 2, 3], CoreSamplingParams(temperature=0), [0], max_tokens=20, arrival_time=0)
+    b = Request("b", [4, 5, 6], CoreSamplingParams(temperature=0), [0], max_tokens=20, arrival_time=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    sched.update(out, ModelRunnerOutput({"a": [7], "b": [8]}, spec_token_ids={"a": [1] * 8, "b": [2] * 8}))
+    out = sched.schedule()  # 3 blocks: drafts of 8 would need 3 blocks each
+    assert not out.preempted_req_ids
+    assert sum(len(d) for d in out.scheduled_spec_decode_tokens.values()) < 16
+
+
+def test_drafts_stay_within_max_tokens():
+    sched, _ = _scheduler()
+    req = Request("r", [1, 2, 3], CoreSamplingParams(temperature=0), [0], max_tokens=3, arrival_time=0)
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update(out, ModelRunnerOutput({"r": [4]}, spec_token_ids={"r": [5, 6, 7, 8]}))
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {"r": [5]}  # 1 sampled + 1 draft + 1 bonus = 3
+
+
+@pytest.mark.parametrize("bad, match", [
+    ('{"method": "medusa", "num_speculative_tokens": 2}', "unknown method"),
+    ('{"method": "ngram", "num_speculative_tokens": 0}', "positive"),
+    ('{"method": "ngram"}', "num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}',
+     "prompt_lookup"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}', "unknown key"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs a"),
+    ('not json', "JSON"),
+])
+def test_bad_speculative_config_is_a_clear_error(bad, match):
+    from tokenmill.config import EngineConfig
+
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig.from_kwargs(speculative_config=bad)
+
+
+def test_draft_model_greedy_identical_to_no_speculation(reference_fp32, smol_path, tiny_llama_dir):
+    """SmolLM2 drafting for itself (drafts mostly kept) and a random tiny Llama with the same
+    vocabulary (drafts mostly rejected), with a pool small enough to preempt."""
+    prompts, ref = reference_fp32
+    for draft, kv_bytes, kept in ((str(smol_path), 46080, 0.5), (str(tiny_llama_dir), 3072, 0.0)):
+        spec = f'{{"model": "{draft}", "num_speculative_tokens": 3}}'
+        args = {**BASE, **CONFIGS["tiny-pool"], "kv_cache_memory": 45 * 16 * (46080 + kv_bytes)}
+        llm = LLM(dtype="float32", quantization="none", speculative_config=spec, progress=False, **args)
+        outs = _run(llm, prompts[:32])
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref[:32]], draft
+        stats = llm.engine.core.stats().spec_decoding
+        assert stats.num_draft_tokens > 0 and stats.acceptance_rate >= kept
+        assert llm.engine.core.scheduler.num_preemptions > 0
+        _check_clean(llm)
+        del llm
+        gc.collect()
+
+
+def test_draft_with_another_vocabulary_is_refused():
+    from tokenmill.model.loader import resolve_model
+
+    try:
+        resolve_model("qwen2.5-coder-0.5b")
+    except ConfigError:
+        pytest.skip("qwen2.5-coder-0.5b not installed (make install-qwen)")
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(speculative_config='{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 2}', progress=False,
+            kv_cache_memory="64MiB", max_model_len=256)
+
+
+def test_seeded_sampling_with_speculation_is_reproducible_in_any_batch(smol_path):
+    llm = LLM(dtype="float32", quantization="none", speculative_config=NGRAM, progress=False, **BASE)
+    prompt = "one two three one two three one two three one two"
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=24, seed=None)] * 6
+    prompts = ["a b a b a b"] * 3 + [prompt] + ["a b a b a b"] * 3
+    batch = llm.generate(prompts, others[:3] + [seeded] + others[3:], use_tqdm=False)
+    assert batch[3].outputs[0].token_ids == alone
+    assert llm.engine.core.stats().spec_decoding.num_accepted_tokens > 0
+    _check_clean(llm)

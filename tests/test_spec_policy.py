@@ -1,0 +1,29 @@
+"""The speculation policy follows measured speed per batch-size bucket (synthetic timings)."""
+
+from __future__ import annotations
+
+from tokenmill.core.spec_policy import SpecPolicy
+
+
+def _run(policy: SpecPolicy, num_running: int, on_rate: float, off_rate: float, steps: int = 160) -> float:
+    """Steps at the given true speeds (tokens/s); returns the fraction of steps that speculated."""
+    on = 0
+    for _ in range(steps):
+        s = policy.speculate(num_running)
+        on += s
+        policy.observe(num_running, s, 1.0, int(on_rate if s else off_rate))
+    return on / steps
+
+
+def test_speculates_where_faster_and_not_where_slower():
+    p = SpecPolicy(explore_every=16)
+    assert _run(p, 1, on_rate=30, off_rate=10) > 0.9  # one stream: speculation pays
+    frac = _run(p, 64, on_rate=90, off_rate=100)  # 64 streams: batching already uses the compute
+    assert frac <= 1 / 16 + 2 / 160  # only the exploration steps (and the first measurement)
+    assert p.bucket(1) != p.bucket(64)
+
+
+def test_follows_a_change_of_workload():
+    p = SpecPolicy(explore_every=8)
+    _run(p, 4, on_rate=50, off_rate=10)
+    assert _run(p, 4, on_rate=10, off_rate=50, steps=200) < 0.3

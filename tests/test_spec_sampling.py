@@ -1,0 +1,91 @@
+"""Sampled outputs with speculation are distributed as without it (end to end, the real model).
+
+A repetitive prompt makes the n-gram proposer draft at every step. For 2000 seeded requests with
+and without speculation, the first token and the fourth token (which follows verified drafts)
+are compared with Pearson's chi-square test of homogeneity at significance 0.001, for temperature
+1 and for top-p 0.9. The same test flags a run whose acceptance rule is deliberately biased
+(every draft kept), so it can fail.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.worker.spec_decode import rejection_sampler
+
+from .test_rejection_sampler import chi2_critical
+
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+PROMPT = "a b c d e a b c d e a b c d e a b c d e a b"
+N = 2000
+ARGS = dict(dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=128, max_num_seqs=128,
+            progress=False)
+
+
+def homogeneity(a: Counter, b: Counter, min_expected: float = 5.0) -> tuple[float, int]:
+    """Chi-square statistic and degrees of freedom of two samples over shared categories (rare
+    categories pooled so that every expected count is >= min_expected)."""
+    na, nb = sum(a.values()), sum(b.values())
+    total = a + b
+    common = [c for c, n in total.items() if n * min(na, nb) / (na + nb) >= min_expected]
+    rows = [(a[c], b[c]) for c in common]
+    rest = (na - sum(r[0] for r in rows), nb - sum(r[1] for r in rows))
+    if sum(rest):
+        rows.append(rest)
+    stat = 0.0
+    for oa, ob in rows:
+        n = oa + ob
+        ea, eb = n * na / (na + nb), n * nb / (na + nb)
+        stat += (oa - ea) ** 2 / ea + (ob - eb) ** 2 / eb
+    return stat, len(rows) - 1
+
+
+def _sample(llm, **params) -> tuple[Counter, Counter]:
+    tok = llm.get_tokenizer()
+    ids = tok.encode(PROMPT)
+    ps = [SamplingParams(max_tokens=4, ignore_eos=True, seed=1000 + i, **params) for i in range(N)]
+    outs = llm.generate([ids] * N, ps, use_tqdm=False)
+    first = Counter(o.outputs[0].token_ids[0] for o in outs)
+    fourth = Counter(o.outputs[0].token_ids[3] for o in outs)
+    return first, fourth
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {}
+    for name, spec in (("plain", None), ("spec", NGRAM)):
+        llm = LLM(speculative_config=spec, **ARGS)
+        out[name] = {"t1": _sample(llm, temperature=1.0), "p09": _sample(llm, temperature=1.0, top_p=0.9)}
+        if spec:
+            stats = llm.engine.core.stats().spec_decoding
+            assert stats.num_accepted_tokens > N  # drafts were verified and kept, a lot
+        del llm
+        gc.collect()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", ["t1", "p09"])
+@pytest.mark.parametrize("position", [0, 1], ids=["first-token", "fourth-token"])
+def test_speculation_keeps_the_distribution(runs, params, position):
+    stat, df = homogeneity(runs["plain"][params][position], runs["spec"][params][position])
+    assert df >= 2
+    assert stat < chi2_critical(df), f"chi2 {stat:.1f} >= {chi2_critical(df):.1f} (df {df})"
+
+
+@pytest.mark.slow
+def test_a_biased_acceptance_rule_is_caught(runs, monkeypatch):
+    def keep_every_draft(p, drafts, generator, q=None):
+        return list(drafts) + [rejection_sampler.draw(p[len(drafts)], generator)]
+
+    monkeypatch.setattr(rejection_sampler, "verify_sampled", keep_every_draft)
+    llm = LLM(speculative_config=NGRAM, **ARGS)
+    _, fourth = _sample(llm, temperature=1.0)
+    del llm
+    gc.collect()
+    stat, df = homogeneity(runs["plain"]["t1"][1], fourth)
+    assert stat > chi2_critical(df), "the test cannot tell a biased acceptance rule"

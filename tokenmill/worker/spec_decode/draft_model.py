@@ -1,0 +1,67 @@
+"""Draft-model proposer: a small model with the target's vocabulary drafts k tokens greedily.
+
+Its KV cache lives in the same blocks as the target's (same block ids, its own tensor: each block
+holds both models' K/V, and the start-up capacity log counts both). Per request the runner tracks
+how far the draft's KV goes (`draft_num_computed`; it moves back with rejections and is lost with
+preemption). A proposal first feeds the draft every token it has not seen (the accepted tokens,
+or the whole prompt the first time) and takes its argmax, then feeds each draft token to get the
+next: 1 + (k - 1) forward passes of the draft per step, all requests batched. The scheduler
+reserves k lookahead slots for the draft's K/V past the request's tokens; a request whose blocks
+hold fewer gets fewer drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.worker.request_state import RequestState
+
+
+class DraftModelProposer:
+    def __init__(self, model: torch.nn.Module, backend, block_size: int, k: int, device: torch.device,
+                 max_model_len: int):
+        self.model = model
+        self.backend = backend
+        self.block_size = block_size
+        self.k = k
+        self.device = device
+        self.max_model_len = max_model_len
+        self.kv_cache: torch.Tensor | None = None
+
+    def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                          storage: torch.dtype | None = None) -> None:
+        from tokenmill.worker.model_runner import allocate_kv_cache
+
+        self.kv_cache = allocate_kv_cache(self.model, num_blocks, self.block_size, num_kv_heads, head_dim, dtype,
+                                          storage, self.device)
+
+    @torch.inference_mode()
+    def propose(self, states: list[RequestState]) -> list[list[int]]:
+        from tokenmill.worker.model_runner import flat_batch
+
+        drafts: list[list[int]] = [[] for _ in states]
+        # the draft writes K/V up to position len(tokens) + k - 2: only within the request's blocks
+        budget = [min(self.k, len(s.block_ids) * self.block_size - len(s.token_ids) + 1,
+                      self.max_model_len - len(s.token_ids)) for s in states]
+        active = [i for i, b in enumerate(budget) if b > 0]
+        for step in range(max((budget[i] for i in active), default=0)):
+            active = [i for i in active if budget[i] > step]
+            rows = []
+            for i in active:
+                s = states[i]
+                if step == 0:
+                    start = min(s.draft_num_computed, len(s.token_ids) - 1)
+                    new = s.token_ids[start:]
+                else:
+                    start, new = len(s.token_ids) + step - 1, [drafts[i][-1]]
+                rows.append((new, start, s.block_ids, len(new) == 1))
+            order = sorted(range(len(rows)), key=lambda j: not rows[j][3])  # decodes first
+            input_ids, positions, layout = flat_batch([rows[j] for j in order], self.block_size, self.device)
+            hidden = self.model(input_ids, positions, self.backend.build_metadata(layout))
+            last = torch.tensor(layout.query_lens).cumsum(0) - 1
+            tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
+            for j, tok in zip(order, tokens):
+                i = active[j]
+                drafts[i].append(tok)
+                states[i].draft_num_computed = rows[j][1] + len(rows[j][0])
+        return drafts

@@ -1,0 +1,102 @@
+"""Verification of draft tokens against the target model's distributions (one forward pass).
+
+Greedy rows keep drafts while each equals the target's argmax at its position, then add the
+target's own token: exactly the tokens decoding without speculation yields. Sampled rows use
+modified rejection sampling (Leviathan et al. 2023, Chen et al. 2023): draft d at position j is
+kept with probability min(1, p_j(d) / q_j(d)); at the first rejection a token is drawn from
+norm(max(p_j - q_j, 0)); when every draft is kept, a bonus token is drawn from p_{k}. Each
+token is then distributed exactly as p, the target's distribution after the logits processors,
+temperature, top-k, top-p and min-p. Proposers here draft deterministically (n-gram, or a draft
+model's argmax), so q_j is one-hot on the draft: keep with probability p_j(d), else draw from p_j
+with d removed. Random draws come from the request's own generator when it has a seed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.core.messages import TokenLogprobs
+from tokenmill.worker.request_state import RequestState
+from tokenmill.worker.sampler import Sampler, SamplingBatch
+
+
+def _uniform(generator: torch.Generator) -> float:
+    return float(torch.rand(1, generator=generator, device=generator.device))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from an unnormalized distribution (inverse CDF, one uniform)."""
+    cdf = probs.cumsum(dim=-1)
+    u = _uniform(generator) * float(cdf[-1])
+    return int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True).clamp_(max=len(probs) - 1))
+
+
+def verify_sampled(p: torch.Tensor, drafts: list[int], generator: torch.Generator,
+                   q: torch.Tensor | None = None) -> list[int]:
+    """p: [len(drafts) + 1, V] target probabilities (rows may be unnormalized); q: [len(drafts), V]
+    draft probabilities, or None for one-hot drafts. Returns the kept drafts plus one token."""
+    p = p / p.sum(dim=-1, keepdim=True)
+    out = []
+    for j, d in enumerate(drafts):
+        pd = float(p[j, d])
+        qd = 1.0 if q is None else float(q[j, d])
+        if _uniform(generator) * qd < pd:  # u < p/q, with q(d) > 0 since d was drafted from q
+            out.append(d)
+            continue
+        if q is None:
+            residual = p[j].clone()
+            residual[d] = 0.0
+        else:
+            residual = (p[j] - q[j]).clamp_(min=0.0)
+        out.append(draw(residual, generator))
+        return out
+    out.append(draw(p[len(drafts)], generator))
+    return out
+
+
+def verify_greedy(argmax: list[int], drafts: list[int]) -> list[int]:
+    """argmax: the target's token at each of the len(drafts) + 1 positions."""
+    out = []
+    for j, d in enumerate(drafts):
+        out.append(argmax[j])
+        if argmax[j] != d:
+            return out
+    out.append(argmax[len(drafts)])
+    return out
+
+
+class RejectionSampler:
+    def __init__(self, sampler: Sampler, vocab_size: int):
+        self.sampler = sampler
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, rows: list[tuple[RequestState, list[int]]]
+                 ) -> list[tuple[list[int], list[TokenLogprobs] | None]]:
+        """logits: the target's at each request's 1 + k verified positions, back to back. Returns per
+        request its tokens (kept drafts + one) and, if it asked, their logprobs (the target's raw
+        distribution, as without speculation)."""
+        views = [state.with_drafts(drafts[:j]) for state, drafts in rows for j in range(len(drafts) + 1)]
+        batch = SamplingBatch.build(views, self.vocab_size, logits.device)
+        logits = logits.float()
+        raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
+        logits = self.sampler.process(logits, batch)
+        argmax = logits.max(dim=-1).indices.tolist()
+        probs = None if batch.all_greedy else self.sampler.filtered_probs(logits, batch)
+        results, r0, lp_rows, lp_tokens = [], 0, [], []
+        for state, drafts in rows:
+            n = len(drafts) + 1
+            if state.params.greedy:
+                tokens = verify_greedy(argmax[r0:r0 + n], drafts)
+            else:
+                tokens = verify_sampled(probs[r0:r0 + n], drafts, state.generator or self.sampler.generator)
+            if state.params.logprobs is not None:
+                lp_rows.extend(range(r0, r0 + len(tokens)))
+                lp_tokens.extend(tokens)
+            results.append(tokens)
+            r0 += n
+        logprobs = iter(())
+        if lp_rows:
+            sub = SamplingBatch.build([views[i] for i in lp_rows], self.vocab_size, logits.device)
+            logprobs = iter(Sampler.logprobs(raw[lp_rows], torch.tensor(lp_tokens, device=raw.device), sub))
+        return [(tokens, [next(logprobs) for _ in tokens] if state.params.logprobs is not None else None)
+                for (state, _), tokens in zip(rows, results)]
