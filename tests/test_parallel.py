@@ -173,47 +173,68 @@ def test_tp2_on_ray_matches_tp1(tiny_llama_dir):
         ray.shutdown()
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            kids += [int(c) for c in f.read().split()]
-    return kids
+def _spawned(proc) -> list:
+    return [p for p in proc.children() if any("spawn_main" in part for part in p.cmdline())]
 
 
-def _rank_pids(server_pid: int) -> list[int]:
-    pids = []
-    for pid in _children(server_pid):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():  # not the resource tracker
-                pids.append(pid)
-    return pids
+def _core_and_ranks(server):
+    """`serve` runs the engine core in a spawned process, which spawns the ranks (not counting
+    multiprocessing's resource trackers, which are not spawn_main)."""
+    import psutil
+
+    cores = _spawned(psutil.Process(server.proc.pid))
+    assert len(cores) == 1, cores
+    return cores[0], _spawned(cores[0])
+
+
+def _gone(procs, timeout: float) -> bool:
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def _tp2_server(tiny_llama_dir):
+    from tests.server_utils import ServerProcess
+
+    return ServerProcess(str(tiny_llama_dir), "--tensor-parallel-size", "2", "--collective-timeout", "20",
+                         "--kv-cache-memory", "16MiB", "--max-model-len", "256").wait_ready()
 
 
 @pytest.mark.slow
 def test_server_reports_a_killed_rank(tiny_llama_dir):
-    """A real server with TP=2: kill a rank; the request in flight gets a 500, /health turns 503,
-    and the server neither hangs nor leaves the other rank running."""
+    """A real server with TP=2 (ranks started by the engine core process): kill a rank; the request
+    in flight gets a 500, /health turns 503, and neither the other rank nor the core is left running."""
     import httpx
 
-    from tests.server_utils import ServerProcess
-
-    server = ServerProcess(str(tiny_llama_dir), "--tensor-parallel-size", "2", "--collective-timeout", "20",
-                           "--kv-cache-memory", "16MiB", "--max-model-len", "256").wait_ready()
+    server = _tp2_server(tiny_llama_dir)
     try:
         body = {"model": server_model(server), "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
         assert httpx.post(server.base_url + "/completions", json=body, timeout=60).status_code == 200
-        ranks = _rank_pids(server.proc.pid)
+        core, ranks = _core_and_ranks(server)
         assert len(ranks) == 2, ranks
-        os.kill(ranks[1], signal.SIGKILL)
+        ranks[1].kill()
         r = httpx.post(server.base_url + "/completions", json=body, timeout=60)
         assert r.status_code == 500 and "rank" in r.json()["error"]["message"], r.text
         assert httpx.get(server.url + "/health", timeout=10).status_code == 503
-        time.sleep(6)
-        assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
-                       for p in ranks)
+        assert _gone([core, *ranks], timeout=15)
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_no_orphan_ranks_when_the_server_ends(sig, tiny_llama_dir):
+    """Stopped (SIGTERM) or killed (SIGKILL), the server leaves neither its core process nor the
+    core's ranks behind."""
+    server = _tp2_server(tiny_llama_dir)
+    try:
+        core, ranks = _core_and_ranks(server)
+        assert len(ranks) == 2, ranks
+        server.stop(sig)
+        assert _gone([core, *ranks], timeout=20)
+    finally:
+        server.stop(signal.SIGKILL)
 
 
 def server_model(server) -> str:
