@@ -89,6 +89,43 @@ def test_tp2_greedy_identical_to_tp1_tiny(which, tiny_llama_dir, tiny_qwen2_mqa_
         assert a == b, f"request {i}"
 
 
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+
+
+@pytest.mark.slow
+def test_tp2_ngram_speculation_greedy_identical_to_tp1():
+    """Speculative decoding under TP=2 (each rank drafts and verifies alike, the last one reports):
+    SmolLM2's greedy tokens without speculation in one process, with drafts accepted. (The tiny
+    random models never repeat themselves, so an n-gram proposer drafts nothing for them.)"""
+    from tests.test_engine_consistency import _prompts as text_prompts
+
+    args = dict(dtype="float32", quantization="none", kv_cache_memory="64MiB", max_model_len=512, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=32)
+    llm = LLM(**args)
+    prompts = text_prompts(llm.get_tokenizer())[:16]
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    gc.collect()
+    llm = LLM(tensor_parallel_size=2, speculative_config=NGRAM, **args)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        core = llm.engine.core
+        spec = core.stats().spec_decoding
+        assert spec is not None and spec.num_accepted_tokens > 0
+        assert core.kv.pool.num_free_blocks == core.kv.num_blocks
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a == b, f"request {i}"
+
+
+def test_speculation_with_pipeline_stages_is_a_config_error():
+    with pytest.raises(ConfigError, match="pipeline parallelism"):
+        EngineConfig.from_kwargs(pipeline_parallel_size=2, speculative_config=NGRAM)
+
+
 @pytest.mark.slow
 def test_tp2_greedy_identical_to_tp1_smollm2():
     """The real model: 9 heads and 3 KV heads over 2 ranks (6+3 heads, 2+1 KV heads)."""
