@@ -17,7 +17,8 @@ import pytest
 from tests.server_utils import ServerProcess
 from tokenmill import LLM, SamplingParams
 
-ENGINE = dict(dtype="float32", kv_cache_memory="128MiB", max_model_len=512, max_num_seqs=64, progress=False)
+ENGINE = dict(dtype="float32", quantization="none", kv_cache_memory="128MiB", max_model_len=512, max_num_seqs=64,
+              progress=False)
 WORDS = ["river", "engine", "stone", "garden", "quiet", "orbit", "paper", "signal", "copper", "harbor"]
 
 

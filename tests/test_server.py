@@ -229,12 +229,13 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
     server.wait_idle()
     body = {"prompt": "Tell me everything about the ocean.", "max_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=60) as r:
-        events = []
-        for line in r.iter_lines():
+        # read through one iterator kept alive: breaking out of a `for` over r.iter_lines() drops the
+        # generator, and httpx then closes the connection (the server would see the disconnect now)
+        lines, events = r.iter_lines(), []
+        while len(events) < 3:
+            line = next(lines)
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
-            if len(events) >= 3:
-                break
         # three token events, none final: the request is still running and holds KV blocks
         assert all(e.get("choices") and e["choices"][0]["finish_reason"] is None for e in events), events
         m = server.metrics()
