@@ -22,8 +22,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict | None = None):
-        self.port = free_port()
+    def __init__(self, *args: str, env: dict | None = None, port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = tempfile.NamedTemporaryFile(prefix="tokenmill-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", "--port", str(self.port), *SMALL, *args]
@@ -81,3 +81,14 @@ class ServerProcess:
                 return m
             time.sleep(0.1)
         raise AssertionError(f"engine not idle after {timeout}s: {m}")
+
+
+def serve_until_exit(*args: str, env: dict | None = None, timeout: float = 120.0) -> tuple[int, str]:
+    """Run `tokenmill serve` expecting it to stop on its own (a start-up failure): (exit code, log)."""
+    srv = ServerProcess(*args, env=env)
+    try:
+        code = srv.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        srv.stop(signal.SIGKILL)
+        raise AssertionError(f"the server did not exit within {timeout}s:\n{srv.log()}") from None
+    return code, srv.log()

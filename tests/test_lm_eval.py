@@ -56,7 +56,7 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
 
 @pytest.fixture(scope="module")
 def fp32_server():
-    srv = ServerProcess("--dtype", "float32").wait_ready()
+    srv = ServerProcess("--dtype", "float32", "--quantization", "none").wait_ready()
     yield srv
     srv.stop()
 

@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 
+def describe_error(e: BaseException) -> str:
+    """One line for a log or a terminal: the message, or the type when the message is empty."""
+    text = " ".join(str(e).split())
+    return text if isinstance(e, TokenmillError) and text else f"{type(e).__name__}: {text}" if text else \
+        type(e).__name__
+
+
 class TokenmillError(Exception):
     status_code = 500
     error_type = "internal_error"

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass, field
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured_output.params import StructuredOutputsParams
 
 GREEDY_EPS = 1e-5
+_SEED_RANGE = (-(2**63), 2**63)  # within what torch.Generator.manual_seed takes, with room for n > 1 offsets
 
 
 class RequestOutputKind(enum.Enum):
@@ -79,8 +81,8 @@ class SamplingParams:
             raise _bad("n", f"must be an integer >= 1, got {self.n!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
-            if not _is_num(getattr(self, name)):
-                raise _bad(name, f"must be a number, got {getattr(self, name)!r}")
+            if not _is_num(getattr(self, name)) or not math.isfinite(getattr(self, name)):
+                raise _bad(name, f"must be a finite number, got {getattr(self, name)!r}")
         if self.temperature < 0:
             raise _bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -94,8 +96,8 @@ class SamplingParams:
                 raise _bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
         if self.repetition_penalty <= 0:
             raise _bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise _bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not _SEED_RANGE[0] <= self.seed <= _SEED_RANGE[1]):
+            raise _bad("seed", f"must be an integer in [-2**63, 2**63], got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise _bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
@@ -111,7 +113,7 @@ class SamplingParams:
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise _bad("stop_token_ids", "must be non-negative integers")
         for tok, bias in (self.logit_bias or {}).items():
-            if not _is_num(bias) or not -100 <= bias <= 100:
+            if not _is_num(bias) or not -100 <= bias <= 100:  # (NaN fails the comparison)
                 raise _bad("logit_bias", f"values must be in [-100, 100], got {bias!r} for token {tok}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise _bad("output_kind", "must be a RequestOutputKind")
@@ -132,6 +134,8 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int, max_logprobs: int) -> None:
         """Checks that need the model: token ids in range, logprob counts within the server limit."""
+        if self.top_k >= vocab_size:  # all tokens: the same as no top-k, and no huge int reaches a tensor
+            self.top_k = 0
         for name, ids in (("logit_bias", list(self.logit_bias or {})), ("stop_token_ids", self.stop_token_ids)):
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:

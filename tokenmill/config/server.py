@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.config.fields import parse_size
 from tokenmill.errors import ConfigError
 
 
@@ -31,12 +32,17 @@ class ServerConfig:
                 "and model)."})
     disable_dashboard: bool = field(default=False, metadata={
         "help": "Do not serve the live dashboard page (GET /dashboard) and its data endpoint."})
+    max_request_body_bytes: int | str = field(default=16 * 2**20, metadata={
+        "help": "Largest request body accepted, in bytes or with a unit (16MiB); larger ones get 413."})
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}", param="port")
         if self.max_queue_len < 1:
             raise ConfigError("max_queue_len must be >= 1", param="max_queue_len")
+        self.max_request_body_bytes = parse_size(self.max_request_body_bytes)
+        if self.max_request_body_bytes < 1:
+            raise ConfigError("max_request_body_bytes must be >= 1", param="max_request_body_bytes")
         if self.request_timeout is not None and self.request_timeout <= 0:
             self.request_timeout = None
         if self.slo is not None:

@@ -150,3 +150,4 @@ class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     timestamp: float = 0.0  # time.monotonic() when the step finished
     scheduler_stats: SchedulerStats | None = None
+    failed: dict[str, str] = {}  # request id -> why: scheduling it raised, and it alone ended

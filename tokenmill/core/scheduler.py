@@ -58,6 +58,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.finished_req_ids: list[str] = []  # for the runner, with the next SchedulerOutput
+        self.failed: dict[str, str] = {}  # request id -> why: a fault while scheduling it failed it alone
         self.num_lookahead_slots = num_lookahead_slots
         self.spec_disable_by_batch_size = spec_disable_by_batch_size
         self.num_kept_blocks: dict[str, int] = {}  # for the runner: block tables cut after rejections
@@ -142,24 +143,28 @@ class Scheduler:
                 continue
             # a seeded request always verifies its drafts: its random stream must not depend on the batch
             drafts = self._drafts(req, budget) if speculate or req.params.seed is not None else []
-            while True:
-                n = min(req.num_tokens - req.num_computed_tokens + len(drafts), budget)
-                lookahead = self._lookahead(req, req.num_computed_tokens + n)
-                new_blocks = self.kv.allocate_slots(req, n, num_lookahead=lookahead)
-                if new_blocks is not None:
-                    break
-                if drafts:  # short of blocks: give up the drafts before preempting anyone
-                    drafts = []
-                    continue
-                victim = self._victim(num_tokens)
-                if victim.request_id in num_tokens:  # undo its part of this step
-                    budget += num_tokens.pop(victim.request_id)
-                    spec_tokens.pop(victim.request_id, None)
-                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is req:
-                    break
+            try:
+                while True:
+                    n = min(req.num_tokens - req.num_computed_tokens + len(drafts), budget)
+                    lookahead = self._lookahead(req, req.num_computed_tokens + n)
+                    new_blocks = self.kv.allocate_slots(req, n, num_lookahead=lookahead)
+                    if new_blocks is not None:
+                        break
+                    if drafts:  # short of blocks: give up the drafts before preempting anyone
+                        drafts = []
+                        continue
+                    victim = self._victim(num_tokens)
+                    if victim.request_id in num_tokens:  # undo its part of this step
+                        budget += num_tokens.pop(victim.request_id)
+                        spec_tokens.pop(victim.request_id, None)
+                        cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is req:
+                        break
+            except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
+                self._fail(req, e)
+                continue
             if req.status == RequestStatus.RUNNING:
                 num_tokens[req.request_id] = n
                 if drafts:
@@ -172,10 +177,14 @@ class Scheduler:
         now = time.monotonic()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting.peek()
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(req, n, hits, self._lookahead(req, num_hit + n)) is None:
-                break  # head of line waits for room: later requests do not overtake it
+            try:
+                hits, num_hit = self.kv.get_computed_blocks(req)
+                n = min(req.num_tokens - num_hit, budget)
+                if self.kv.allocate_slots(req, n, hits, self._lookahead(req, num_hit + n)) is None:
+                    break  # head of line waits for room: later requests do not overtake it
+            except Exception as e:  # noqa: BLE001
+                self._fail(req, e)
+                continue
             self.waiting.pop()
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
@@ -219,6 +228,18 @@ class Scheduler:
         if self.policy == "priority":
             return max(self.running, key=lambda r: priority_key(r, self.priority_aging))
         return next(r for r in reversed(self.running) if r.request_id not in scheduled)
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        """Scheduling `req` raised: it alone ends (reported in the step's outputs as failed)."""
+        (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
+        try:
+            self.kv.free(req)
+        except Exception:  # noqa: BLE001 - its blocks are lost, the engine goes on
+            logger.exception("request %s: freeing its KV blocks failed", req.request_id)
+        req.status = RequestStatus.FINISHED_ABORTED
+        self.requests.pop(req.request_id, None)
+        self.finished_req_ids.append(req.request_id)  # the runner may hold its state
+        self.failed[req.request_id] = f"{type(error).__name__}: {error}"
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

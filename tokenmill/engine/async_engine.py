@@ -80,6 +80,15 @@ class AsyncLLMEngine:
         return self.engine.model_config.vocab_size
 
     @property
+    def max_logprobs(self) -> int:
+        return self.engine.processor.max_logprobs
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Texts longer than this are refused before they are tokenized."""
+        return self.engine.processor.max_prompt_chars
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
@@ -170,10 +179,11 @@ class AsyncLLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                 add_special_tokens: bool = True, priority: int = 0,
+                 add_special_tokens: bool = True, prompt_token_ids: list[int] | None = None, priority: int = 0,
                  admit: Callable[[int, int, int], None] | None = None) -> RequestStream:
         """Validate and submit a request; returns an async iterator of its outputs (deltas unless
-        FINAL_ONLY). Bad input raises here, before anything is streamed. `priority`: lower is served
+        FINAL_ONLY). Bad input raises here, before anything is streamed. A caller that tokenized a
+        long text off the event loop passes its ids as `prompt_token_ids`. `priority`: lower is served
         first (priority scheduling policy). `admit(prompt tokens, max tokens, sequences)` is called
         once the request is validated, before it is submitted; raising there rejects it."""
         if self.dead_error is not None:
@@ -185,7 +195,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is in flight", param="request_id")
         processed = self.engine.process(request_id, prompt, params, add_special_tokens=add_special_tokens,
-                                        priority=priority)
+                                        prompt_token_ids=prompt_token_ids, priority=priority)
         children = processed.children
         if admit is not None:
             admit(len(processed.prompt_token_ids), children[0].max_tokens, len(children))
@@ -208,6 +218,13 @@ class AsyncLLMEngine:
         future = self._loop.create_future()
         self._submit(("call", ("kv_block_states", future)))
         return await future
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every in-flight request with `error` (shutdown past its grace period): each stream
+        raises it, so each client gets an explicit error rather than a cut connection."""
+        for rid in list(self._streams):
+            self._streams[rid].put_nowait(error)
+            self.abort(rid)
 
     def abort(self, request_id: str) -> None:
         self._submit(("abort", request_id))
@@ -260,6 +277,9 @@ class AsyncLLMEngine:
                     self._reported = (drained, self.engine.last_scheduler_stats.load)
                 if outputs:
                     self._post(self._dispatch, outputs)
+                for rid, why in self.engine.take_failed().items():
+                    logger.error("request %s failed: %s", rid, why)
+                    self._post(self._fail, [rid], EngineStepError(f"request failed: {why}", [rid]))
         except BaseException as e:  # a bug outside the model step: the engine state is suspect
             logger.exception("engine loop died")
             self.dead_error = e

@@ -13,6 +13,8 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
+from multiprocessing.connection import wait
 
 import msgspec
 import zmq
@@ -65,6 +67,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s core{replica} %(name)s: %(message)s")
+    started = threading.Event()
+    if watch_parent:
+        threading.Thread(target=_exit_with_parent, args=(started,), name="tokenmill-parent-watch",
+                         daemon=True).start()
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     out = ctx.socket(zmq.PUSH)
@@ -77,6 +83,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
         from tokenmill.engine.engine_core import EngineCore
         from tokenmill.model.loader import load_model_config, resolve_model
 
+        EngineCore.prefetch(config)  # a cold start's kernel build runs while the model loads
         source = resolve_model(config.model.model)
         core = EngineCore(config, source, load_model_config(source), progress=False)
     except BaseException as e:  # noqa: BLE001 - reported to the front end, which fails its start
@@ -85,6 +92,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
         out.close()
         ctx.term()  # waits (up to the output's linger) for the report to leave; needs both closed
         return
+    started.set()  # from here the busy loop watches the parent
     out.send_multipart([READY, encoder.encode(CoreReady(core.max_model_len, core.kv.num_blocks))])
     try:
         _busy_loop(core, inp, out, encoder, watch_parent)
@@ -96,6 +104,16 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
         inp.close(linger=0)
         out.close()
         ctx.term()
+
+
+def _exit_with_parent(started: threading.Event) -> None:
+    """During start-up (a kernel build takes ~20 s, loading the weights seconds) nothing else
+    watches the parent: if it dies then, this process exits rather than finish loading for no one."""
+    parent = multiprocessing.parent_process()
+    while not started.is_set():
+        if wait([parent.sentinel], timeout=0.2) and not started.is_set():
+            logger.error("the front end is gone during start-up; engine core exits")
+            os._exit(1)
 
 
 def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.Encoder,

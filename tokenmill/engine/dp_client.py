@@ -107,17 +107,19 @@ class DPClient(EngineCoreClient):
             if interrupt is not None:
                 self._poller.unregister(interrupt)
         merged: list = []
+        failed: dict[str, str] = {}  # requests that failed alone in their replica's step
         for i, r in enumerate(self.replicas):
             if r is None:
                 continue
             out_sock, *sentinel = r.poll_items
             try:
-                while out_sock in events or (merged and out_sock.poll(0)):
+                while out_sock in events or ((merged or failed) and out_sock.poll(0)):
                     events.pop(out_sock, None)
                     out = r.receive()
                     if out is not None:
                         self._account(i, out)
                         merged.extend(out.outputs)
+                        failed.update(out.failed)
                 if any(x in events for x in sentinel) or r.check_dead():
                     raise r.died()
             except EngineStepError as e:  # one replica's batch failed
@@ -128,11 +130,15 @@ class DPClient(EngineCoreClient):
                 self._pending.append(e)
             except EngineDeadError as e:
                 self._replica_died(i, e)
-        if self._pending and not merged:
+        if self._pending and not merged and not failed:
             raise self._pending.pop(0)
-        return EngineCoreOutputs(merged, scheduler_stats=self.stats())
+        return EngineCoreOutputs(merged, scheduler_stats=self.stats(), failed=failed)
 
     def _account(self, replica: int, out: EngineCoreOutputs) -> None:
+        for rid in out.failed:
+            owner = self._owner.pop(rid, None)
+            if owner is not None:
+                self.router.finish(*owner)
         for o in out.outputs:
             self._generated[replica] += len(o.new_token_ids)
             if o.finish_reason is not None:

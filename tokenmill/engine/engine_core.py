@@ -17,6 +17,7 @@ from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest, Schedu
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.spec_policy import SpecPolicy
+from tokenmill.engine import faults
 from tokenmill.errors import EngineStepError, WorkerDiedError
 from tokenmill.executor import make_executor
 from tokenmill.model.loader import ModelSource
@@ -42,6 +43,14 @@ class EngineCore:
                                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec.enabled else None,
                                    spec_policy=SpecPolicy() if spec.enabled and spec.adaptive else None)
         self.num_steps = 0
+        faults.install_core(self)  # test-only switches; nothing when unset
+
+    @staticmethod
+    def prefetch(config: EngineConfig) -> None:
+        """Start the slow parts that do not need the model (see Worker.prefetch)."""
+        from tokenmill.worker.worker import Worker
+
+        Worker.prefetch(config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         req = Request.from_engine_core_request(request)
@@ -74,11 +83,12 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
         failed, self.scheduler.compile_failures = self.scheduler.compile_failures, []
+        errors, self.scheduler.failed = self.scheduler.failed, {}
         if sched.is_empty:
             self.executor.execute(sched)  # no model run; drops finished requests' state
-            if self.scheduler.compiling and not failed:  # nothing to run until a grammar is ready
+            if self.scheduler.compiling and not failed and not errors:  # nothing to run until a grammar is ready
                 wait([r.grammar_ready for r in self.scheduler.compiling], _GRAMMAR_POLL_S, FIRST_COMPLETED)
-            return EngineCoreOutputs(failed, timestamp=time.monotonic(), scheduler_stats=self.stats())
+            return EngineCoreOutputs(failed, timestamp=time.monotonic(), scheduler_stats=self.stats(), failed=errors)
         t0 = time.perf_counter()
         try:
             result = self.executor.execute(sched)
@@ -101,4 +111,4 @@ class EngineCore:
             num_out = sum(len(o.new_token_ids) for o in outputs)
             policy.observe(num_running, bool(spec), time.perf_counter() - t0, num_out)
         self._drop_finished_if_idle()
-        return EngineCoreOutputs(failed + outputs, time.monotonic(), self.stats())
+        return EngineCoreOutputs(failed + outputs, time.monotonic(), self.stats(), failed=errors)

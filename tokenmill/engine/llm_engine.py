@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import SchedulerStats
+from tokenmill.engine import faults
 from tokenmill.engine.core_client import EngineCoreClient, InprocClient, MPClient
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, ProcessedRequest
@@ -57,13 +59,22 @@ class LLMEngine:
         self.config = config
         t0 = time.monotonic()
         chat_template = load_chat_template(config.model.chat_template)  # fail before the slow part
-        self.source = resolve_model(config.model.model)
-        self.model_config = load_model_config(self.source)
-        self.tokenizer = load_tokenizer(self.source, config.model.tokenizer, config.model.trust_remote_code)
         if multiprocess is None:
             multiprocess = bool(config.parallel.engine_core_process)
-        self.core_client: EngineCoreClient = make_core_client(config, self.source, self.model_config, progress,
-                                                              multiprocess)
+        if not multiprocess and config.parallel.data_parallel_size == 1:
+            from tokenmill.engine.engine_core import EngineCore
+
+            EngineCore.prefetch(config)  # a cold start's kernel build runs while the model loads
+        self.source = resolve_model(config.model.model)
+        self.model_config = load_model_config(self.source)
+        # The tokenizer (importing transformers: ~1.3 s of Python) loads while the weights load (in
+        # this process: numpy kernels that release the GIL) or the core process starts.
+        with ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer") as pool:
+            tokenizer = pool.submit(load_tokenizer, self.source, config.model.tokenizer,
+                                    config.model.trust_remote_code)
+            self.core_client: EngineCoreClient = make_core_client(config, self.source, self.model_config, progress,
+                                                                  multiprocess)
+            self.tokenizer = tokenizer.result()
         # the EngineCore itself, for offline tools that drive its parts (calibration); None when it
         # runs in another process
         self.core = getattr(self.core_client, "core", None)
@@ -74,6 +85,8 @@ class LLMEngine:
                                         config.model.max_logprobs, eos, chat_template,
                                         config.scheduler.scheduling_policy == "priority")
         self.output_processor = OutputProcessor(self.tokenizer)
+        faults.install_output(self.output_processor)  # test-only switches; nothing when unset
+        self._failed: dict[str, str] = {}
         self.stat_loggers: list[StatLogger] = []
         self.served_model_name = config.model.served_model_name or self.source.name
         self.last_iteration_stats = IterationStats()
@@ -90,12 +103,12 @@ class LLMEngine:
 
     # --- requests ---------------------------------------------------------------------------------
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                arrival_time: float | None = None, add_special_tokens: bool = True, priority: int = 0
-                ) -> ProcessedRequest:
+                arrival_time: float | None = None, add_special_tokens: bool = True,
+                prompt_token_ids: list[int] | None = None, priority: int = 0) -> ProcessedRequest:
         """Tokenize and validate (thread-safe; raises InvalidRequestError for bad input). `priority`:
         lower is served first, under the priority scheduling policy (else it must be 0)."""
         return self.processor.process(request_id, prompt, params or SamplingParams(), arrival_time,
-                                      add_special_tokens, priority)
+                                      add_special_tokens, prompt_token_ids, priority)
 
     def add_processed(self, p: ProcessedRequest) -> None:
         if p.request_id in self.output_processor.requests:
@@ -110,7 +123,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, add_special_tokens: bool = True, priority: int = 0) -> None:
-        self.add_processed(self.process(request_id, prompt, params, arrival_time, add_special_tokens, priority))
+        self.add_processed(self.process(request_id, prompt, params, arrival_time, add_special_tokens,
+                                        priority=priority))
 
     def abort_request(self, request_ids) -> None:
         if isinstance(request_ids, str):
@@ -135,6 +149,12 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.core_client.shutdown()
 
+    def take_failed(self) -> dict[str, str]:
+        """Requests that failed alone in the steps since the last call (request id -> why): a fault
+        while scheduling, detokenizing or stop-checking one request fails only that request."""
+        failed, self._failed = self._failed, {}
+        return failed
+
     # --- one step ---------------------------------------------------------------------------------
     def step(self, interrupt: int | None = None) -> list[RequestOutput]:
         """One core step's outputs. With a core in another process, waits for them, or until the
@@ -145,8 +165,14 @@ class LLMEngine:
             e.request_ids = self.output_processor.parents_of(e.request_ids)
             self.output_processor.abort(e.request_ids)
             raise
+        if core_outs.failed:  # failed alone while scheduled: its sibling samples end with it
+            parents = {parent: why for cid, why in core_outs.failed.items()
+                       for parent in self.output_processor.parents_of([cid])}
+            self._failed.update(parents)
+            self.core_client.abort_requests(self.output_processor.abort(list(parents)))
         outputs, to_abort, it_stats = self.output_processor.process(core_outs.outputs, time.monotonic())
-        if to_abort:  # stop strings: the core keeps generating until told
+        self._failed.update(self.output_processor.take_failed())
+        if to_abort:  # stop strings and failed requests: the core keeps generating until told
             self.core_client.abort_requests(to_abort)
         self.last_iteration_stats = it_stats
         self.last_scheduler_stats = core_outs.scheduler_stats

@@ -43,6 +43,7 @@ class OutputProcessor:
         self.requests: dict[str, _RequestState] = {}
         self.child_of: dict[str, tuple[_RequestState, _Child]] = {}
         self._piece_cache: dict[int, str] = {}
+        self.failed: dict[str, str] = {}  # request id -> why: detokenizing or stop-checking it raised
 
     def add_request(self, p: ProcessedRequest) -> None:
         children = {}
@@ -81,35 +82,13 @@ class OutputProcessor:
             if entry is None:
                 continue  # aborted meanwhile
             state, child = entry
-            m = state.metrics
-            if o.first_scheduled_time is not None and m.first_scheduled_time is None:
-                m.first_scheduled_time = o.first_scheduled_time
-            m.num_cached_tokens = max(m.num_cached_tokens, o.num_cached_tokens)
-            m.num_preemptions = max(m.num_preemptions, o.num_preemptions)
-            if o.prompt_logprobs and state.prompt_logprobs is not None:
-                self._add_prompt_logprobs(state, o.prompt_logprobs)
-            stop = None
-            if o.new_token_ids:
-                if m.first_token_time is None:
-                    m.first_token_time = now
-                    stats.ttfts.append(now - m.arrival_time)
-                    stats.num_prompt_tokens += len(state.p.prompt_token_ids)
-                elif state.p.request_id not in touched:  # one gap per request and step (n > 1: not per sample)
-                    stats.itls.append(now - m.last_token_time)
-                m.last_token_time = now
-                stats.num_generation_tokens += len(o.new_token_ids)
-                stop = self._add_tokens(child, o)
-            if stop is not None:  # a stop string wins over whatever else ended the request
-                child.finish_reason, child.stop_reason = "stop", stop
-                if o.finish_reason is None:
-                    to_abort.append(o.request_id)
-            elif o.finish_reason is not None:
-                child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason
-            if child.finish_reason is not None:
-                self.child_of.pop(o.request_id, None)
-                state.unfinished -= 1
-            child.changed = True
-            touched[state.p.request_id] = state
+            try:
+                self._process_one(o, state, child, now, stats, touched, to_abort)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                rid = state.p.request_id
+                self.failed[rid] = f"{type(e).__name__}: {e}"
+                to_abort.extend(self.abort([rid]))
+                touched.pop(rid, None)
 
         results = []
         for rid, state in touched.items():
@@ -118,10 +97,52 @@ class OutputProcessor:
                 del self.requests[rid]
                 state.metrics.finished_time = now
                 stats.finished.append(self._finished_stats(state))
-            out = self._make_output(state, finished)
+            try:
+                out = self._make_output(state, finished)
+            except Exception as e:  # noqa: BLE001 - as above: the request fails alone
+                self.failed[rid] = f"{type(e).__name__}: {e}"
+                to_abort.extend(self.abort([rid]))
+                continue
             if out is not None:
                 results.append(out)
         return results, to_abort, stats
+
+    def take_failed(self) -> dict[str, str]:
+        """Requests whose detokenization or stop-string check raised since the last call (id -> why)."""
+        failed, self.failed = self.failed, {}
+        return failed
+
+    def _process_one(self, o: EngineCoreOutput, state: _RequestState, child: _Child, now: float,
+                     stats: IterationStats, touched: dict, to_abort: list[str]) -> None:
+        m = state.metrics
+        if o.first_scheduled_time is not None and m.first_scheduled_time is None:
+            m.first_scheduled_time = o.first_scheduled_time
+        m.num_cached_tokens = max(m.num_cached_tokens, o.num_cached_tokens)
+        m.num_preemptions = max(m.num_preemptions, o.num_preemptions)
+        if o.prompt_logprobs and state.prompt_logprobs is not None:
+            self._add_prompt_logprobs(state, o.prompt_logprobs)
+        stop = None
+        if o.new_token_ids:
+            if m.first_token_time is None:
+                m.first_token_time = now
+                stats.ttfts.append(now - m.arrival_time)
+                stats.num_prompt_tokens += len(state.p.prompt_token_ids)
+            elif state.p.request_id not in touched:  # one gap per request and step (n > 1: not per sample)
+                stats.itls.append(now - m.last_token_time)
+            m.last_token_time = now
+            stats.num_generation_tokens += len(o.new_token_ids)
+            stop = self._add_tokens(child, o)
+        if stop is not None:  # a stop string wins over whatever else ended the request
+            child.finish_reason, child.stop_reason = "stop", stop
+            if o.finish_reason is None:
+                to_abort.append(o.request_id)
+        elif o.finish_reason is not None:
+            child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason
+        if child.finish_reason is not None:
+            self.child_of.pop(o.request_id, None)
+            state.unfinished -= 1
+        child.changed = True
+        touched[state.p.request_id] = state
 
     def _add_tokens(self, child: _Child, o: EngineCoreOutput) -> str | None:
         """Returns the stop string the new text contains, if any."""

@@ -35,6 +35,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self.eos_token_ids = sorted(eos_token_ids)
+        self._max_token_chars: int | None = None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     chat_template: str | None = None, **template_kwargs) -> str:
@@ -58,27 +59,48 @@ class InputProcessor:
             raise InvalidRequestError(f"chat template failed: {e}", param="messages") from None
 
     def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text. A text too long to ever fit is refused before it is tokenized (which
+        takes about 1 s per MB of text)."""
+        if len(prompt) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{len(prompt)} characters, at least {len(prompt) // self.max_token_chars} tokens.",
+                param="prompt", code="context_length_exceeded")
         return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for (its vocabulary entry is never shorter)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        return self._max_token_chars
+
+    @property
+    def max_prompt_chars(self) -> int:
+        # x2: a Unicode normalizer may shorten a text before it is split
+        return 2 * self.max_model_len * self.max_token_chars
+
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                arrival_time: float | None = None, add_special_tokens: bool = True, priority: int = 0
-                ) -> ProcessedRequest:
+                arrival_time: float | None = None, add_special_tokens: bool = True,
+                prompt_token_ids: list[int] | None = None, priority: int = 0) -> ProcessedRequest:
+        """`prompt_token_ids`: the text prompt's ids when the caller tokenized it already."""
         self.check_priority(priority)
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenize(prompt, add_special_tokens)
+            text = prompt
+            ids = self.tokenize(prompt, add_special_tokens) if prompt_token_ids is None else prompt_token_ids
         else:
             text, ids = None, list(prompt)
-            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in ids):
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})",
-                                          param="prompt")
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        max_tokens = self.check_length(len(ids), params.max_tokens)  # first: it bounds the loop below
+        if text is None and any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+                                for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
         params.check_vocab(self.vocab_size, self.max_logprobs)
         if params.structured_outputs is not None:
             from tokenmill.structured_output.compiler import validate  # xgrammar: only when asked for
 
             validate(params.structured_outputs.spec())
-        max_tokens = self.check_length(len(ids), params.max_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for i in range(params.n):

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.errors import EngineStepError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -64,7 +65,12 @@ class LLM:
         t0, out_tokens = time.monotonic(), 0
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                failed = self.engine.take_failed()
+                if failed:
+                    rid, why = next(iter(failed.items()))
+                    raise EngineStepError(f"request {rid} failed: {why}", list(failed))
+                for out in outputs:
                     if out.finished:
                         results[out.request_id] = out
                         out_tokens += sum(len(o.token_ids) for o in out.outputs)

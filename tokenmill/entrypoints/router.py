@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from tokenmill.engine.router import PrefixAffinityRouter
-from tokenmill.entrypoints.openai.protocol import error_body
+from tokenmill.entrypoints.openai.http_errors import error_body
 
 logger = logging.getLogger("tokenmill.router")
 _PROBE_S = 2.0

@@ -31,6 +31,7 @@ _NAME = "tokenmill_cpu_kernels"
 _OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding")
 _lock = threading.Lock()
 _loaded: bool | None = None
+unavailable_reason: str | None = None  # why the kernels could not be built or loaded, for error messages
 
 
 def _isa_flags() -> list[str]:
@@ -63,16 +64,33 @@ def load_cpu_kernels() -> bool:
         return _loaded
 
 
+def start_build() -> None:
+    """Build (or load) the kernels on a thread now, so that a first build (a compiler subprocess)
+    overlaps the model's loading; load_cpu_kernels() then waits for its result."""
+    threading.Thread(target=load_cpu_kernels, name="tokenmill-kernels", daemon=True).start()
+
+
+def _unavailable(reason: str) -> bool:
+    global unavailable_reason
+    unavailable_reason = reason
+    logger.warning("CPU kernels unavailable (%s); using portable PyTorch ops", reason)
+    return False
+
+
 def _build_and_load() -> bool:
     if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
-        return False
+        return _unavailable("TOKENMILL_DISABLE_CPU_KERNELS is set")
     try:
         torch.ops.load_library(str(build_library(_NAME, _SOURCES, ["-O3", "-fopenmp", *_isa_flags()])))
         return all(hasattr(torch.ops.tokenmill, op) for op in _OPS)
-    except Exception as e:  # no compiler, no ninja, an unusual platform: portable code still works
-        logger.warning("CPU kernels unavailable (%s: %s); using portable PyTorch ops", type(e).__name__,
-                       build_error_line(e))
-        return False
+    except CompilerNotFound as e:
+        return _unavailable(str(e))
+    except Exception as e:  # a broken compiler, no ninja, an unwritable cache: portable code still works
+        return _unavailable(f"{type(e).__name__}: {build_error_line(e)[:300]}")
+
+
+class CompilerNotFound(RuntimeError):
+    pass
 
 
 def build_error_line(e: Exception) -> str:
@@ -90,10 +108,17 @@ def build_library(name: str, sources: list[Path], cflags: list[str], headers: tu
     root = cache_root() / "kernels" / key
     library = root / f"{name}.so"
     if not library.is_file():
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            raise CompilerNotFound(f"no C++ compiler: {compiler!r} is not on PATH; install g++ or set CXX")
         root.mkdir(parents=True, exist_ok=True)
         with open(root / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait, then load its result
+            # one process builds; the others wait, then load its result. The kernel drops the lock
+            # when its holder dies (even by SIGKILL), so a dead builder never blocks a restart.
+            fcntl.flock(lock, fcntl.LOCK_EX)
             if not library.is_file():
+                for leftover in root.glob("build-*"):  # a builder killed mid-build (we hold the lock)
+                    shutil.rmtree(leftover, ignore_errors=True)
                 _build(root, library, name, sources, cflags)
     return library
 

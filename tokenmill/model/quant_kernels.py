@@ -67,6 +67,17 @@ def quant_ops(variant: str | None = None):
         return _loaded[variant]
 
 
+def start_build() -> None:
+    """Build (or load) the active variant on a thread now, to overlap the model's loading."""
+    def build():
+        try:
+            quant_ops()
+        except RuntimeError:
+            pass  # said again, and handled, where the kernels are used
+
+    threading.Thread(target=build, name="tokenmill-quant-kernels", daemon=True).start()
+
+
 def quant_kernels_available() -> bool:
     try:
         quant_ops()

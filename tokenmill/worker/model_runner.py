@@ -9,6 +9,9 @@ proposer drafts the next step's tokens.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import numpy as np
 import torch
 
@@ -23,6 +26,15 @@ from tokenmill.worker.spec_decode import Proposer, speculates
 from tokenmill.worker.spec_decode.rejection_sampler import RejectionSampler
 
 _PROMPT_LOGITS_CHUNK = 256  # rows of full-vocab logits materialized at once for prompt logprobs
+
+
+def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in fresh anonymous memory: the OS guarantees its pages read as zero and maps
+    each on first write, so a 4 GiB KV cache costs nothing at start-up (torch.zeros wrote all of
+    it: seconds) and its RSS grows only as blocks are used."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class ModelRunner:
@@ -198,7 +210,11 @@ def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, 
             layer.kv_cache = cache
         return caches[0].data  # each layer's cache is a view of it
     # zeros, not empty: masked-out slots are still read, and garbage NaNs would poison softmax
-    kv_cache = torch.zeros(len(layers), 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    shape = (len(layers), 2, num_blocks, block_size, num_kv_heads, head_dim)
+    if device.type == "cpu":
+        kv_cache = zeroed_cpu_tensor(shape, dtype)
+    else:
+        kv_cache = torch.zeros(shape, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         layer.kv_cache = kv_cache[i]
     return kv_cache

@@ -48,6 +48,23 @@ def rss_bytes() -> int:
 
 
 class Worker:
+    @staticmethod
+    def prefetch(config: EngineConfig) -> None:
+        """Start now what is slow and does not need the model: the C++ kernels' builds (~20 s each on
+        a cold machine), which then overlap each other and reading the GGUF, the weights and the
+        tokenizer. The quantized kernels are built unless nothing can use them (a model that turns
+        out not to be quantized wastes one build, once per machine)."""
+        if config.model.torch_device.type != "cpu":
+            return
+        if config.kernel.attention_backend in ("auto", "cpu_paged"):
+            from tokenmill.model import kernels
+
+            kernels.start_build()
+        if config.quant.quantization != "none" or config.cache.kv_cache_dtype in ("int8", "fp8_e4m3"):
+            from tokenmill.model import quant_kernels
+
+            quant_kernels.start_build()
+
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True,
                  num_threads: int | None = None):
         self.config = config

@@ -14,35 +14,37 @@ import threading
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 
 from tokenmill import __version__
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.engine.stats import LoggingStatLogger
+from tokenmill.entrypoints.openai import openapi
 from tokenmill.entrypoints.openai.compat_routes import register_compat_routes
+from tokenmill.entrypoints.openai.http_errors import install_error_handlers
 from tokenmill.entrypoints.openai.metrics import PrometheusStatLogger
+from tokenmill.entrypoints.openai.middleware import OPEN_PATHS, ServerGuard
+from tokenmill.entrypoints.openai.openapi import (
+    DetokenizeResponse,
+    ModelList,
+    StatusResponse,
+    TokenizeResponse,
+    VersionResponse,
+)
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    error_body,
 )
 from tokenmill.entrypoints.openai.serving_chat import ChatServing
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
-from tokenmill.errors import (
-    AuthenticationError,
-    InvalidRequestError,
-    QueueFullError,
-    ServiceUnavailableError,
-    TokenmillError,
-)
+from tokenmill.entrypoints.openai.wire import SafeJSONResponse, StrictJSONRoute
+from tokenmill.errors import InvalidRequestError, ServiceUnavailableError, describe_error
 
 logger = logging.getLogger("tokenmill.server")
-_OPEN_PATHS = {"/health", "/ready", "/metrics", "/version", "/docs", "/openapi.json"}
 
 
 class ServerState:
@@ -56,9 +58,18 @@ class ServerState:
         self.completions: CompletionServing | None = None
         self.chat: ChatServing | None = None
         self.model_name = engine_config.model.served_model_name
-        self.open_paths = set(_OPEN_PATHS)  # reachable without the API key
+        self.open_paths = set(OPEN_PATHS)  # reachable without the API key
         self.extra_stat_loggers: list = []  # attached to the engine before it starts (e.g. the dashboard's)
         self.slo_gate = None  # --slo: SLOGate, the `admit` check of every generation request
+
+    def limits(self) -> dict | None:
+        """The loaded model's limits for the OpenAPI schema (None while loading)."""
+        if self.engine is None:
+            return None
+        e = self.engine
+        return {"model": self.model_name, "vocab_size": e.vocab_size, "max_model_len": e.max_model_len,
+                "max_logprobs": e.max_logprobs, "max_prompt_chars": e.max_prompt_chars,
+                "priority_scheduling": self.engine_config.scheduler.scheduling_policy == "priority"}
 
     def ready(self) -> AsyncLLMEngine:
         if self.engine is None:
@@ -101,12 +112,6 @@ class ServerState:
         logger.info("serving %s on http://%s:%d", self.model_name, self.config.host, self.config.port)
 
 
-def _error_response(e: TokenmillError) -> JSONResponse:
-    headers = {"Retry-After": str(e.retry_after)} if isinstance(e, QueueFullError) else None
-    return JSONResponse(error_body(e.message, e.error_type, e.status_code, e.param), status_code=e.status_code,
-                        headers=headers)
-
-
 def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure=None) -> FastAPI:
     state = ServerState(engine_config, config)
 
@@ -115,9 +120,11 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
         async def load():
             try:
                 await state.load()
+            except asyncio.CancelledError:  # shut down before the model was loaded
+                raise
             except BaseException as e:  # noqa: BLE001
                 state.load_error = e
-                logger.error("failed to load the model: %s", e)
+                logger.error("failed to load the model: %s", describe_error(e))
                 if on_load_failure is not None:
                     on_load_failure(e)
 
@@ -127,62 +134,44 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
         if state.engine is not None:
             state.engine.shutdown()
 
-    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan, default_response_class=SafeJSONResponse)
+    app.router.route_class = StrictJSONRoute
     app.state.server = state
+    app.add_middleware(ServerGuard, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes,
+                       open_paths=state.open_paths)
+    install_error_handlers(app)
+    openapi.install(app, state.limits)
+    openapi.security(app, config.api_key)
 
-    @app.middleware("http")
-    async def auth(request: Request, call_next):
-        key = config.api_key
-        if key and request.url.path not in state.open_paths:
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {key}":
-                return _error_response(AuthenticationError("invalid or missing API key (Authorization: Bearer ...)"))
-        return await call_next(request)
-
-    @app.exception_handler(TokenmillError)
-    async def tokenmill_error(request: Request, e: TokenmillError):
-        if e.status_code >= 500 and not isinstance(e, ServiceUnavailableError):
-            logger.error("%s %s failed: %s", request.method, request.url.path, e)
-        return _error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError):
-        err = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if err.get("type") == "json_invalid":
-            msg, param = f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", None
-        else:
-            msg, param = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}", ".".join(loc) or None
-        return _error_response(InvalidRequestError(msg, param=param))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "internal_error", 500), status_code=500)
-
-    @app.get("/health")
+    @app.get("/health", response_model=StatusResponse, responses=openapi.errors(503))
     async def health():
+        """200 while the engine loop runs; 503 while loading or after it died."""
         engine = state.engine
         if engine is None or not engine.is_running:
-            return Response(status_code=503)
-        return Response(status_code=200)
+            raise ServiceUnavailableError("the model is still loading" if engine is None else "the engine stopped")
+        return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", response_model=StatusResponse, responses=openapi.errors(503))
     async def ready():
-        ok = state.engine is not None and state.engine.is_running and not state.draining
-        return Response(status_code=200 if ok else 503)
+        """Like /health, and also 503 while draining for shutdown."""
+        await health()
+        if state.draining:
+            raise ServiceUnavailableError("the server is shutting down")
+        return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"description": "Prometheus text exposition format.",
+              "content": {"text/plain": {"schema": {"type": "string"}}}}, **openapi.errors(503)})
     async def metrics():
         if state.metrics is None:
-            return Response(status_code=503)
+            raise ServiceUnavailableError("the model is still loading")
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionResponse)
     async def version():
         return {"version": __version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses=openapi.errors(401, 500, 503))
     async def models():
         engine = state.ready()
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": int(time.time()),
@@ -193,36 +182,51 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
         if isinstance(result, Response):  # the client went away first
             return result
         if isinstance(result, dict):
-            return JSONResponse(result)
+            return SafeJSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/completions")
+    generation_responses = {**openapi.errors(*openapi.GENERATION_ERRORS)}
+
+    @app.post("/v1/completions", responses={**openapi.text_stream("A completion (JSON), or with stream: true "
+                                                                  "server-sent events ending in data: [DONE]."),
+                                            **generation_responses})
     async def completions(body: CompletionRequest, request: Request):
         state.ready()
         return await respond(await _cancel_on_disconnect(request, state.completions.create(body, time.monotonic())))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses={**openapi.text_stream("A chat completion (JSON), or with stream: "
+                                                                       "true server-sent events ending in data: "
+                                                                       "[DONE]."), **generation_responses})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         state.ready()
         return await respond(await _cancel_on_disconnect(request, state.chat.create(body, time.monotonic())))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=openapi.errors(*openapi.TOKENIZER_ERRORS))
     async def tokenize(body: TokenizeRequest):
         engine = state.ready()
+        serving = state.completions
+        serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             text = engine.render_chat([m.model_dump(exclude_none=True) for m in body.messages],
                                       body.add_generation_prompt)
-            tokens = engine.tokenize(text, add_special_tokens=False)
+            add_special = False
         else:
-            tokens = engine.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+            text, add_special = body.prompt, body.add_special_tokens
+        tokens = await serving.tokenize(text, add_special)
+        if tokens is None:
+            tokens = engine.tokenize(text, add_special_tokens=add_special)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse,
+              responses=openapi.errors(*openapi.TOKENIZER_ERRORS))
     async def detokenize(body: DetokenizeRequest):
-        return {"prompt": state.ready().detokenize(body.tokens)}
+        state.ready()
+        serving = state.completions
+        serving.check_model(body.model)
+        return {"prompt": await serving.detokenize(body.tokens)}
 
     register_compat_routes(app, state)
     if not config.disable_dashboard:

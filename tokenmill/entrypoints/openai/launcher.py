@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 import time
 
 from tokenmill.config import EngineConfig, ServerConfig
 from tokenmill.entrypoints.openai.api_server import ServerState, build_app
+from tokenmill.errors import ConfigError, ServiceUnavailableError
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -56,13 +59,35 @@ class _Server:
             await asyncio.sleep(0.05)
         left = self.state.engine.num_in_flight
         if left:
-            logger.warning("grace period over: %d request(s) still running are cut off", left)
+            logger.warning("grace period over: %d request(s) still running end with an error", left)
+            self.state.engine.fail_all(ServiceUnavailableError("the server shut down before this request finished"))
+            deadline = time.monotonic() + 5.0  # let their error events reach the clients
+            while self.state.engine.num_in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         self.uvicorn.should_exit = True
 
-    async def serve(self) -> int:
+    async def serve(self, sock: socket.socket) -> int:
         self.loop = asyncio.get_running_loop()
-        await self.uvicorn.serve()
+        await self.uvicorn.serve(sockets=[sock])
         return self.exit_code
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """Bind the port before anything else starts, so that a port in use is one clear error, not a
+    model load cut short."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}", param="host") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        hint = "; another process is listening there (choose one with --port)" if e.errno == errno.EADDRINUSE else ""
+        raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}{hint}", param="port") from None
+    return sock
 
 
 def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str = "info") -> int:
@@ -72,10 +97,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
 
         # here, not on the loading thread: a local Ray's processes die with the thread that started them
         init_ray()
+    sock = listen_socket(config.host, config.port)
     server = _Server(engine_config, config, log_level)
     try:
         import uvloop
 
-        return uvloop.run(server.serve())
+        return uvloop.run(server.serve(sock))
     except ImportError:
-        return asyncio.run(server.serve())
+        return asyncio.run(server.serve(sock))

@@ -3,18 +3,58 @@ conversion to SamplingParams. Unknown fields are ignored, as OpenAI's API does."
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
+from tokenmill.entrypoints.openai.openapi import (
+    LOGPROBS,
+    OUTPUT_TOKENS,
+    PRIORITY,
+    PROMPT_CHARS,
+    SERVED_MODEL,
+    TOKEN_ID,
+    TOKEN_KEY,
+    TOKEN_LIST,
+)
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.structured_output import StructuredOutputsParams
-from tokenmill.structured_output.compiler import validate
+
+MAX_CHOICES = 128  # n x prompts of one request
+
+
+def _integral(v):
+    """JSON Schema's integer includes 3.0; nothing else that is not an int becomes one (no bools, no strings)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+_SEED = dict(ge=-(2**63), le=2**63)  # what torch takes; exact as a JSON Schema float
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+PromptText = Annotated[str, Field(json_schema_extra={PROMPT_CHARS: True})]
+NonEmptyPrompt = Annotated[str, Field(min_length=1, json_schema_extra={PROMPT_CHARS: True})]
+_BIAS = {"type": "number", "minimum": -100, "maximum": 100}
+LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-100, le=100)]],
+                      WithJsonSchema({"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                                      "additionalProperties": _BIAS, TOKEN_KEY: True})]
+TokenId = Annotated[Int, Field(ge=0, json_schema_extra={TOKEN_ID: True})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra={TOKEN_LIST: True})]
+
+
+def _implies(field: str, when: dict, other: str, must_be) -> dict:
+    """JSON Schema for "when `field` matches `when`, `other` must equal `must_be`"."""
+    return {"if": {"properties": {field: when}, "required": [field]},
+            "then": {"properties": {other: {"const": must_be}}, "required": [other]}}
+
+
+_STREAM_OPTIONS_NEED_STREAM = _implies("stream_options", {"type": "object"}, "stream", True)
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as OpenAI does. Types are strict, as the schema says (no "5" for 5,
+    # no 0 for false), and floats finite (1e400 parses as inf).
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
@@ -37,36 +77,37 @@ class ResponseFormat(OpenAIModel):
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    model: str | None = Field(None, description="The served model's name (or omitted).",
+                              json_schema_extra={SERVED_MODEL: True})
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: Int = Field(1, ge=1, le=MAX_CHOICES, description=f"Samples per prompt; n x prompts <= {MAX_CHOICES}.")
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    seed: Int | None = Field(None, **_SEED)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: LogitBias | None = Field(None, description="Token id (a decimal string) -> bias added to its logit.")
     user: str | None = None
     # vLLM's extra parameters
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Int | None = Field(None, ge=-1, description="0 or -1: all tokens.")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int = Field(0, ge=0, description="At most max_tokens.")
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0  # lower is served first (--scheduling-policy priority)
+    priority: Int = Field(0, ge=-(2**31), le=2**31 - 1, json_schema_extra={PRIORITY: True},
+                          description="Lower is served first (--scheduling-policy priority; else it must be 0).")
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs (and its older guided_*)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_regex: NonEmptyStr | None = None
+    guided_choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    guided_grammar: NonEmptyStr | None = None
 
     def structured(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the request asks for, if any."""
@@ -89,6 +130,8 @@ class SamplingFields(OpenAIModel):
             raise InvalidRequestError(f"{found[0][0]} and {found[1][0]} cannot be combined", param=found[1][0])
         if not found:
             return None
+        from tokenmill.structured_output.compiler import validate  # xgrammar (and transformers): when asked for
+
         param, params = found[0]
         validate(params.spec(), param)
         return params
@@ -121,60 +164,82 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_NEED_STREAM, _implies("max_tokens", {"const": 0}, "echo", True)]})
+    prompt: NonEmptyPrompt | Annotated[list[NonEmptyPrompt], Field(min_length=1, max_length=MAX_CHOICES)] | TokenIds | \
+        Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)] = Field(
+            description="Text, a list of texts, token ids, or a list of token-id lists. Each prompt plus max_tokens "
+                        "must fit the model's context length (400 otherwise).")
+    max_tokens: Int | None = Field(None, ge=0, description="Default 16; 0 only with echo (prompt logprobs only).",
+                                   json_schema_extra={OUTPUT_TOKENS: True})
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: Int | None = Field(None, ge=0, json_schema_extra={LOGPROBS: True})
+    best_of: Int | None = Field(None, ge=1, description="Only equal to n (no server-side ranking).")
+    suffix: str | None = Field(None, max_length=0, description="Not supported: empty or null.")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if not p:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        if all(isinstance(x, int) for x in p):
+        if isinstance(p[0], int):
             return [list(p)]
-        if all(isinstance(x, str) for x in p):
-            return list(p)
-        if all(isinstance(x, list) for x in p):
-            return [list(x) for x in p]
-        raise InvalidRequestError("prompt must be a string, a list of strings, or token ids", param="prompt")
+        return list(p)
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(OpenAIModel):
     model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool result's call
 
 
+# apply_chat_template's own arguments: a template variable cannot take their place
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "chat_template",
+                            "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                            "truncation", "max_length", "return_tensors", "return_dict",
+                            "return_assistant_tokens_mask", "tokenizer_kwargs")
+TemplateKwargs = Annotated[dict[str, Any], Field(json_schema_extra={
+    "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})]
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        _STREAM_OPTIONS_NEED_STREAM, _implies("top_logprobs", {"type": "integer"}, "logprobs", True)]})
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Int | None = Field(None, ge=1, description="Deprecated name of max_completion_tokens.",
+                                   json_schema_extra={OUTPUT_TOKENS: True})
+    max_completion_tokens: Int | None = Field(None, ge=1, json_schema_extra={OUTPUT_TOKENS: True})
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = Field(None, ge=0, description="Only with logprobs: true.",
+                                     json_schema_extra={LOGPROBS: True})
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class TokenizeRequest(OpenAIModel):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    """Exactly one of prompt or messages."""
+
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}, "required": ["prompt"]},
+        {"properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}, "required": ["messages"]}]})
+
+    model: str | None = Field(None, json_schema_extra={SERVED_MODEL: True})
+    prompt: PromptText | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(OpenAIModel):
-    model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
-
-
-def error_body(message: str, err_type: str, code: int | str | None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    model: str | None = Field(None, json_schema_extra={SERVED_MODEL: True})
+    tokens: list[TokenId] = Field(default_factory=list)

@@ -4,15 +4,17 @@ or more engine requests with a timeout, SSE framing, and the per-request access 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tokenmill.config import ServerConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.entrypoints.openai import wire
+from tokenmill.entrypoints.openai.http_errors import clip, error_body
 from tokenmill.errors import (
     InvalidRequestError,
     ModelNotFoundError,
@@ -25,6 +27,11 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill.access")
+server_logger = logging.getLogger("tokenmill.server")
+# Texts longer than this are tokenized on a worker thread, not the event loop (the tokenizer
+# releases the GIL; ~1 ms per 1000 characters). Two threads: one huge prompt does not hold up others.
+OFFLOAD_CHARS = 16_384
+_tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenmill-tokenize")
 
 
 @dataclass
@@ -50,10 +57,13 @@ class ServingBase:
     def new_id(self) -> str:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
-    def admit(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise ModelNotFoundError(f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                                     param="model", code="model_not_found")
+            raise ModelNotFoundError(f"The model `{clip(model)}` does not exist; this server serves "
+                                     f"`{self.model_name}`.", param="model", code="model_not_found")
+
+    def admit(self, model: str | None) -> None:
+        self.check_model(model)
         if self.state.draining:
             raise ServiceUnavailableError("the server is shutting down")
         if self.engine.errored:
@@ -62,17 +72,31 @@ class ServingBase:
             raise QueueFullError(f"too many waiting requests ({self.config.max_queue_len}); retry later",
                                  retry_after=max(1, self.engine.num_waiting // 64))
 
-    def submit(self, request_id: str, prompts: list, params: SamplingParams, add_special_tokens: bool = True,
-               priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int] | None:
+        """A long text's ids, computed off the event loop (None: short enough to do inline)."""
+        if len(text) <= OFFLOAD_CHARS:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_tokenizer_pool, self.engine.tokenize, text, add_special_tokens)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        if len(tokens) <= OFFLOAD_CHARS // 4:
+            return self.engine.detokenize(tokens)
+        return await asyncio.get_running_loop().run_in_executor(_tokenizer_pool, self.engine.detokenize, tokens)
+
+    async def submit(self, request_id: str, prompts: list, params: SamplingParams, add_special_tokens: bool = True,
+                     priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Submit every prompt as its own engine request (bad input, or an SLO the load would break,
         raises here, before anything streams); returns an iterator of (prompt index, output) within
         the request timeout. Leaving it early aborts every request."""
+        ids = [await self.tokenize(p, add_special_tokens) if isinstance(p, str) else None for p in prompts]
         streams = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(self.engine.generate(prompt, params, rid, add_special_tokens=add_special_tokens,
-                                                    priority=priority, admit=self.state.slo_gate))
+                                                    prompt_token_ids=ids[i], priority=priority,
+                                                    admit=self.state.slo_gate))
         except BaseException:
             for s in streams:
                 s.close()
@@ -115,13 +139,16 @@ class ServingBase:
                 s.close()
 
     @staticmethod
-    def sse(payload: dict) -> str:
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    def sse(payload: dict) -> bytes:
+        return wire.sse(payload)
 
     @staticmethod
-    def sse_error(e: TokenmillError) -> str:
-        return ServingBase.sse({"error": {"message": e.message, "type": e.error_type, "param": e.param,
-                                          "code": e.status_code}})
+    def stream_error(e: BaseException, request_id: str) -> tuple[int, bytes]:
+        """A failure after the stream started: (status for the access log, the error event)."""
+        if not isinstance(e, TokenmillError):  # a bug: logged, and the client still gets a clean end
+            server_logger.error("request %s failed mid-stream", request_id, exc_info=e)
+            e = TokenmillError(f"internal error: {type(e).__name__}")
+        return e.status_code, wire.sse(error_body(e.message, e.error_type, e.status_code, e.param))
 
     def access_log(self, request_id: str, endpoint: str, status: int, usage: Usage, t0: float,
                    first_token: float | None) -> None:

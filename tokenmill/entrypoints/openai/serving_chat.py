@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 
 from tokenmill.entrypoints.openai.logprobs import chat_logprobs
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
+from tokenmill.entrypoints.openai.protocol import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest
 from tokenmill.entrypoints.openai.serving_base import ServingBase, Usage, check_choices
 from tokenmill.entrypoints.openai.tool_parser import ToolCallParser
 from tokenmill.entrypoints.openai.tools import (
@@ -18,10 +18,8 @@ from tokenmill.entrypoints.openai.tools import (
     template_supports_tools,
     tool_grammar,
 )
-from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import RequestOutput
-
-_ROLES = {"system", "user", "assistant", "developer", "tool"}
 
 
 class ChatServing(ServingBase):
@@ -30,9 +28,10 @@ class ChatServing(ServingBase):
     def prepare(self, req: ChatCompletionRequest) -> tuple[str, object, ToolRequest | None]:
         """The prompt, the sampling params, and the tools whose calls are parsed out of the output."""
         self.admit(req.model)
-        for m in req.messages:
-            if m.role not in _ROLES:
-                raise InvalidRequestError(f"unknown message role {m.role!r}", param="messages")
+        reserved = sorted(set(req.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                                      param="chat_template_kwargs")
         check_choices(req.n)
         top = req.top_logprobs
         if top is not None and not req.logprobs:
@@ -53,14 +52,19 @@ class ChatServing(ServingBase):
         prompt = self.engine.render_chat(messages, req.add_generation_prompt,
                                          **{**(req.chat_template_kwargs or {}), **tool_kwargs})
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        for name in ("max_tokens", "max_completion_tokens"):  # both are checked, even the one not used
+            value = getattr(req, name)
+            if value is not None and value >= self.engine.max_model_len:
+                raise InvalidRequestError(f"{name} must be < max_model_len ({self.engine.max_model_len}), "
+                                          f"got {value}", param=name)
         params = req.sampling_params(max_tokens, logprobs=(top or 0) if req.logprobs else None,
                                      prompt_logprobs=None, default_max_tokens=None, structured=structured)
         return prompt, params, tools if tools is not None and tools.choice != "none" else None
 
-    async def create(self, req: ChatCompletionRequest, t0: float) -> dict | AsyncIterator[str]:
+    async def create(self, req: ChatCompletionRequest, t0: float) -> dict | AsyncIterator[bytes]:
         prompt, params, tools = self.prepare(req)
         request_id = self.new_id()
-        streams = self.submit(request_id, [prompt], params, add_special_tokens=False, priority=req.priority)
+        streams = await self.submit(request_id, [prompt], params, add_special_tokens=False, priority=req.priority)
         if req.stream:
             return self._stream(req, request_id, streams, t0, tools)
         out: RequestOutput | None = None
@@ -89,7 +93,7 @@ class ChatServing(ServingBase):
         return {"content": chat_logprobs(token_ids, positions or [], self.piece, req.top_logprobs or 0)}
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, streams, t0: float,
-                      tools: ToolRequest | None) -> AsyncIterator[str]:
+                      tools: ToolRequest | None) -> AsyncIterator[bytes]:
         created, usage, first_token, status = int(time.time()), Usage(), None, 200
         started: set[int] = set()
         parsers: dict[int, ToolCallParser] = {}
@@ -125,12 +129,12 @@ class ChatServing(ServingBase):
                                       "stop_reason": o.stop_reason if o.finished and last else None}])
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage=usage.to_dict())
-        except TokenmillError as e:
-            status = e.status_code
-            yield self.sse_error(e)
+        except Exception as e:  # noqa: BLE001 - the stream has started: an error event, then [DONE]
+            status, event = self.stream_error(e, request_id)
+            yield event
         finally:
             self.access_log(request_id, "/v1/chat/completions (stream)", status, usage, t0, first_token)
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
 
 def _finish_reason(reason: str | None, tools: ToolRequest | None, called: bool) -> str | None:

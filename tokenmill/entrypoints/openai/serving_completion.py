@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from tokenmill.entrypoints.openai.logprobs import CompletionLogprobs
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
 from tokenmill.entrypoints.openai.serving_base import ServingBase, Usage, check_choices
-from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 
 
@@ -18,8 +18,6 @@ class CompletionServing(ServingBase):
 
     def prepare(self, req: CompletionRequest):
         self.admit(req.model)
-        if req.suffix:
-            raise InvalidRequestError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequestError("best_of must equal n (no server-side ranking)", param="best_of")
         prompts = req.prompts()
@@ -33,11 +31,11 @@ class CompletionServing(ServingBase):
                                      default_max_tokens=16, structured=req.structured())
         return prompts, params, echo_only
 
-    async def create(self, req: CompletionRequest, t0: float) -> dict | AsyncIterator[str]:
+    async def create(self, req: CompletionRequest, t0: float) -> dict | AsyncIterator[bytes]:
         prompts, params, echo_only = self.prepare(req)
         request_id = self.new_id()
         # submit every prompt now, so that bad input fails before a stream starts
-        streams = self.submit(request_id, prompts, params, priority=req.priority)
+        streams = await self.submit(request_id, prompts, params, priority=req.priority)
         if req.stream:
             return self._stream(req, request_id, streams, echo_only, t0)
         results: list[RequestOutput | None] = [None] * len(prompts)
@@ -76,7 +74,7 @@ class CompletionServing(ServingBase):
         return choice, len(tokens)
 
     async def _stream(self, req: CompletionRequest, request_id: str, streams, echo_only: bool,
-                      t0: float) -> AsyncIterator[str]:
+                      t0: float) -> AsyncIterator[bytes]:
         created, usage, first_token = int(time.time()), Usage(), None
         started: set[int] = set()
         offsets: dict[int, int] = {}
@@ -110,9 +108,9 @@ class CompletionServing(ServingBase):
             if req.stream_options and req.stream_options.include_usage:
                 yield self.sse({"id": request_id, "object": "text_completion", "created": created,
                                 "model": self.model_name, "choices": [], "usage": usage.to_dict()})
-        except TokenmillError as e:
-            status = e.status_code
-            yield self.sse_error(e)
+        except Exception as e:  # noqa: BLE001 - the stream has started: an error event, then [DONE]
+            status, event = self.stream_error(e, request_id)
+            yield event
         finally:
             self.access_log(request_id, "/v1/completions (stream)", status, usage, t0, first_token)
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"

@@ -64,5 +64,8 @@ def get_attention_backend(name: str, block_size: int, device: torch.device, head
         if CPUPagedBackend.available(device, head_dim):
             return CPUPagedBackend(block_size, device)
         if name == "cpu_paged":
-            raise ConfigError("the cpu_paged attention backend is unavailable here (see the warning above)")
+            from tokenmill.model import kernels
+
+            reason = kernels.unavailable_reason or f"it needs a head_dim that is a multiple of 32, not {head_dim}"
+            raise ConfigError(f"the cpu_paged attention backend is unavailable: {reason}", param="attention_backend")
     return TorchSDPABackend(block_size, device)

@@ -10,12 +10,41 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from tokenmill.errors import ConfigError
+
 
 def cache_root() -> Path:
     root = os.environ.get("TOKENMILL_CACHE_DIR")
     if root:
         return Path(root)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenmill"
+
+
+def cache_dir(*parts: str) -> Path:
+    """A folder under the cache, created; a clear error when the cache cannot be written."""
+    path = cache_root().joinpath(*parts)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=path, prefix=".probe-")
+        probe.close()
+    except OSError as e:
+        raise ConfigError(f"the cache directory {cache_root()} is not writable ({e.strerror or e}); "
+                          "set TOKENMILL_CACHE_DIR to a writable folder") from None
+    return path
+
+
+def remove_stale(folder: Path, pattern: str, older_than: float = 3600.0) -> None:
+    """Delete what a killed process left half-built (temporary files and folders that are never
+    published). Only old ones: a live process may be writing a young one."""
+    import time
+
+    now = time.time()
+    for leftover in folder.glob(pattern):
+        try:
+            if now - leftover.stat().st_mtime > older_than:
+                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        except OSError:
+            pass
 
 
 def file_sha256(path: Path) -> str:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from tokenmill.errors import ConfigError
-from tokenmill.model.loader.cache import cache_root, file_sha256, publish_dir
+from tokenmill.model.loader.cache import cache_dir, cache_root, file_sha256, publish_dir, remove_stale
 from tokenmill.model.model_config import ModelConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -87,19 +87,36 @@ def _model_config(reader, tensors: dict[str, dict], name: str) -> ModelConfig:
     )
 
 
-def _build_cache(path: Path, target: Path) -> None:
+def _unreadable(path: Path, why: str) -> ConfigError:
+    return ConfigError(f"{path} is not a readable GGUF file: {why}. It may be truncated or corrupt: "
+                       "copy or reinstall it again")
+
+
+def _read_tensors(path: Path):
     import gguf
-    from transformers import AutoTokenizer
 
     try:
         reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError, IndexError) as e:  # gguf-py maps tensors past the end of a short file
-        raise ConfigError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}): truncated or corrupt?") from e
-    tensors = {}
-    for t in reader.tensors:
-        tensors[t.name] = {"type": int(t.tensor_type), "offset": int(t.data_offset),
-                           "data_shape": list(t.data.shape), "data_dtype": str(t.data.dtype),
-                           "shape": [int(x) for x in reversed(t.shape.tolist())]}
+        tensors = {}
+        for t in reader.tensors:
+            tensors[t.name] = {"type": int(t.tensor_type), "offset": int(t.data_offset),
+                               "data_shape": list(t.data.shape), "data_dtype": str(t.data.dtype),
+                               "shape": [int(x) for x in reversed(t.shape.tolist())]}
+    except Exception as e:  # gguf raises ValueError, IndexError, struct errors... on a damaged header
+        raise _unreadable(path, " ".join(str(e).split()).rstrip(".") or type(e).__name__) from None
+    size = path.stat().st_size
+    end = max((t["offset"] + int(np.prod(t["data_shape"])) * np.dtype(t["data_dtype"]).itemsize
+               for t in tensors.values()), default=0)
+    if end > size or "token_embd.weight" not in tensors:
+        raise _unreadable(path, f"its tensors need {end} bytes, the file has {size}" if end > size
+                          else "it has no token_embd.weight tensor")
+    return reader, tensors
+
+
+def _build_cache(path: Path, target: Path) -> None:
+    from transformers import AutoTokenizer
+
+    reader, tensors = _read_tensors(path)
     cfg = _model_config(reader, tensors, path.stem)
     if "rope_freqs.weight" in tensors:
         factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight").data
@@ -116,7 +133,7 @@ def prepare(path: Path) -> Path:
     """The cache folder of this GGUF file (built on first use)."""
     target = _cache_dir(path)
     if not (target / "tensors.json").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(cache_dir("gguf"), ".build-*")
         _build_cache(path, target)
     return target
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenmill.errors import ConfigError
-from tokenmill.model.loader.cache import cache_root
+from tokenmill.model.loader.cache import cache_dir, cache_root, remove_stale
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -74,7 +74,7 @@ def _locate_known(known: KnownModel) -> Path:
 
 def _assemble(parts: list[Path], target: Path, sha_prefix: str | None) -> None:
     """Concatenate a split model in order, check its hash, then move it into place atomically."""
-    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(cache_dir(target.parent.name), ".assemble-*")
     h = hashlib.sha256()
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".assemble-")
     try:
