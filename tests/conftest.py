@@ -64,7 +64,7 @@ def smol_tokenizer_dir(smol_path):
     return gguf_loader.tokenizer_dir(smol_path)
 
 
-def _save_tiny(kind: str, folder, tokenizer_dir) -> None:
+def _save_tiny(kind: str, folder, tokenizer_dir, **overrides) -> None:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -77,6 +77,7 @@ def _save_tiny(kind: str, folder, tokenizer_dir) -> None:
     common = dict(vocab_size=49152, hidden_size=256, intermediate_size=352, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.25, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
     torch.manual_seed(0)
     if kind == "llama":
         cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_theta=50000.0,
@@ -108,6 +109,14 @@ def tiny_llama_dir(tmp_path_factory, smol_tokenizer_dir):
 def tiny_qwen2_dir(tmp_path_factory, smol_tokenizer_dir):
     folder = tmp_path_factory.mktemp("tiny-qwen2")
     _save_tiny("qwen2", folder, smol_tokenizer_dir)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_mqa_dir(tmp_path_factory, smol_tokenizer_dir):
+    """Qwen2 with one KV head: it cannot be split over 2 tensor-parallel ranks (it is replicated)."""
+    folder = tmp_path_factory.mktemp("tiny-qwen2-mqa")
+    _save_tiny("qwen2", folder, smol_tokenizer_dir, num_key_value_heads=1)
     return folder
 
 

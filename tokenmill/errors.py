@@ -91,3 +91,10 @@ class EngineStepError(TokenmillError):
 class RequestTimeoutError(TokenmillError):
     status_code = 408
     error_type = "timeout"
+
+
+class WorkerDiedError(TokenmillError):
+    """A worker rank died or its collectives broke: the engine cannot go on (it reports itself dead)."""
+
+    status_code = 500
+    error_type = "internal_error"

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import tempfile
 import time
-import weakref
 from collections.abc import Callable
 
 import msgspec
@@ -94,6 +94,9 @@ class InprocClient(EngineCoreClient):
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
 
+    def shutdown(self) -> None:
+        self.core.shutdown()  # the worker ranks, when they are other processes
+
 
 class MPClient(EngineCoreClient):
     """Starts the core process and owns its two sockets; used from one thread (the engine thread),
@@ -112,7 +115,10 @@ class MPClient(EngineCoreClient):
         input_addr, output_addr = self._bind()
         self.replica = replica
         self.proc = self._start(config, input_addr, output_addr, replica)
-        self._finalizer = weakref.finalize(self, _stop_process, self.proc, self._ctx, self._in, self._ipc_dir)
+        # multiprocessing's Finalize, not weakref's: at interpreter exit it runs (exitpriority) before
+        # multiprocessing joins its non-daemonic children, so an undropped client cannot hang the exit
+        self._finalizer = multiprocessing.util.Finalize(self, _stop_process, (self.proc, self._ctx, self._in,
+                                                                              self._ipc_dir), exitpriority=10)
         self._poller = zmq.Poller()
         self._poller.register(self._out, zmq.POLLIN)
         if self.proc.sentinel is not None:
@@ -138,7 +144,10 @@ class MPClient(EngineCoreClient):
     def _start(self, config: EngineConfig, input_addr: str, output_addr: str, replica: int):
         proc = multiprocessing.get_context("spawn").Process(
             target=wire.run_engine_core, args=(config, input_addr, output_addr, replica),
-            name=f"tokenmill-core{replica}", daemon=True)
+            # not daemonic: a daemonic process cannot start children, and the core starts its worker
+            # ranks (tensor/pipeline parallelism); _stop_process stops it on every path, and it exits
+            # by itself when this process dies (it watches its parent)
+            name=f"tokenmill-core{replica}", daemon=False)
         proc.start()
         return proc
 

@@ -100,6 +100,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
         logger.exception("engine core died")
         out.send_multipart([FATAL, encoder.encode(CoreFailure(type(e).__name__, str(e)))])
     finally:
+        core.shutdown()  # the worker ranks (with tensor/pipeline parallelism), on every way out
         inp.close(linger=0)
         out.close()
         ctx.term()

@@ -18,10 +18,10 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.core.spec_policy import SpecPolicy
 from tokenmill.engine import faults
-from tokenmill.errors import EngineStepError
+from tokenmill.errors import EngineStepError, WorkerDiedError
+from tokenmill.executor import make_executor
 from tokenmill.model.loader import ModelSource
 from tokenmill.model.model_config import ModelConfig
-from tokenmill.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,11 @@ _GRAMMAR_POLL_S = 0.02  # an idle step waits this long for a compiling grammar (
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True):
         self.config = config
-        self.worker = Worker(config, source, model_config, progress=progress)
-        self.max_model_len = self.worker.max_model_len
-        self.kv = KVCacheManager(self.worker.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.executor = make_executor(config, source, model_config, progress=progress)
+        # the in-process worker (one rank); None when the ranks are other processes
+        self.worker = getattr(self.executor, "worker", None)
+        self.max_model_len = self.executor.max_model_len
+        self.kv = KVCacheManager(self.executor.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         sc, spec = config.scheduler, config.speculative
         self.scheduler = Scheduler(self.kv, sc.max_num_batched_tokens, sc.max_num_seqs, self.max_model_len,
                                    sc.scheduling_policy, sc.priority_aging,
@@ -46,12 +48,14 @@ class EngineCore:
     @staticmethod
     def prefetch(config: EngineConfig) -> None:
         """Start the slow parts that do not need the model (see Worker.prefetch)."""
+        from tokenmill.worker.worker import Worker
+
         Worker.prefetch(config)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         req = Request.from_engine_core_request(request)
         if req.params.grammar is not None:  # compiles off this thread; the request waits, others run
-            req.grammar_ready = self.worker.prepare_grammar(req.params.grammar)
+            req.grammar_ready = self.executor.prepare_grammar(req.params.grammar)
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids) -> None:
@@ -65,7 +69,10 @@ class EngineCore:
         """Finished requests reach the runner with the next step; with nothing left to run there is
         no next step, so tell it now (an empty batch: no model run)."""
         if not self.scheduler.has_unfinished() and self.scheduler.has_work():
-            self.worker.runner.execute(self.scheduler.schedule())
+            self.executor.execute(self.scheduler.schedule())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
@@ -78,13 +85,15 @@ class EngineCore:
         failed, self.scheduler.compile_failures = self.scheduler.compile_failures, []
         errors, self.scheduler.failed = self.scheduler.failed, {}
         if sched.is_empty:
-            self.worker.runner.execute(sched)  # no model run; drops finished requests' state
+            self.executor.execute(sched)  # no model run; drops finished requests' state
             if self.scheduler.compiling and not failed and not errors:  # nothing to run until a grammar is ready
                 wait([r.grammar_ready for r in self.scheduler.compiling], _GRAMMAR_POLL_S, FIRST_COMPLETED)
             return EngineCoreOutputs(failed, timestamp=time.monotonic(), scheduler_stats=self.stats(), failed=errors)
         t0 = time.perf_counter()
         try:
-            result = self.worker.runner.execute(sched)
+            result = self.executor.execute(sched)
+        except WorkerDiedError:  # fatal: the engine loop dies and reports it (/health turns 503)
+            raise
         except Exception as e:
             # The batch's KV may be half written: fail its requests and forget cached blocks.
             ids = list(sched.num_scheduled_tokens)

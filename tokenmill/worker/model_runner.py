@@ -15,8 +15,10 @@ import mmap
 import numpy as np
 import torch
 
+from tokenmill import distributed
 from tokenmill.core.messages import PromptLogprobs
 from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.distributed.partition import split_evenly
 from tokenmill.model.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.worker.request_state import GrammarSource, RequestState, RequestStates
 from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
@@ -58,23 +60,33 @@ class ModelRunner:
                                           storage, self.device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput, prev_sampled: dict[str, list[int]] | None = None) -> ModelRunnerOutput:
+        """`prev_sampled`: on a rank that does not sample (an earlier pipeline stage), the tokens the
+        last stage sampled in the previous step."""
+        for rid, tokens in (prev_sampled or {}).items():
+            state = self.requests.get(rid)
+            if state is not None:
+                for tok in tokens:
+                    state.append(tok)
         batch = self.requests.apply(sched, self.device)
         out = ModelRunnerOutput()
         if not batch:
             return out
         batch.sort(key=lambda row: row[1] != 1 + len(row[2]))  # decodes (and verifications) first, stable
-        input_ids, positions, layout = self.prepare_inputs(batch)
-        if self.fail_on_token is not None and bool((input_ids == self.fail_on_token).any()):
+        if self.fail_on_token is not None and any(
+                self.fail_on_token in (s.token_ids + d)[s.num_computed_tokens:s.num_computed_tokens + n]
+                for s, n, d in batch):
             raise RuntimeError(f"injected fault: token {self.fail_on_token} in the batch")
+        samples = distributed.state().is_last_stage  # earlier pipeline stages pass hidden states on
         rows = [i for i, (state, n, drafts) in enumerate(batch) if state.samples(n) and not drafts]
         states = [batch[i][0] for i in rows]
-        if rows:
-            self.sampler.prepare(states)
-        meta = self.backend.build_metadata(layout)
-        hidden = self.model(input_ids, positions, meta)
+        if rows and samples:
+            self.sampler.prepare(states)  # e.g. grammar bitmasks, while the model runs
+        hidden = self._forward(batch)
+        if hidden is None:
+            return out
 
-        ends = np.cumsum(layout.query_lens)
+        ends = np.cumsum([n for _, n, _ in batch])
         if rows:
             idx = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
             logits = self.model.compute_logits(hidden[idx])
@@ -93,6 +105,30 @@ class ModelRunner:
         if self.proposer is not None:
             self._propose([batch[i][0] for i in rows + verify], out)
         return out
+
+    def _forward(self, batch: list[tuple[RequestState, int, list[int]]]) -> torch.Tensor | None:
+        """The model over the batch. With pipeline stages, the batch runs as micro-batches (as many
+        as stages): a stage passes one on and starts the next while the following stage works."""
+        st = distributed.state()
+        if st.pp_size == 1:
+            input_ids, positions, layout = self.prepare_inputs(batch)
+            return self.model(input_ids, positions, self.backend.build_metadata(layout))
+        n = len(batch)
+        bounds = [split_evenly(n, min(st.pp_size, n), i) for i in range(min(st.pp_size, n))]
+        hidden, width = [], self.model.config.hidden_size
+        for start, size in bounds:
+            input_ids, positions, layout = self.prepare_inputs(batch[start:start + size])
+            meta = self.backend.build_metadata(layout)
+            inter = None
+            if not st.is_first_stage:
+                rows = input_ids.shape[0]
+                inter = tuple(distributed.pp_recv([(rows, width)] * 2, self.model.dtype, st.pp_rank - 1))
+            out = self.model(input_ids, positions, meta, inter)
+            if st.is_last_stage:
+                hidden.append(out)
+            else:
+                distributed.pp_send(list(out), st.pp_rank + 1)
+        return torch.cat(hidden) if hidden else None
 
     def _verify(self, rows, ends: list[int], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Drafts were fed after each request's last token: the logits at those 1 + k positions

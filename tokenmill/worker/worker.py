@@ -7,10 +7,13 @@ import logging
 import os
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 
 import torch
 
+from tokenmill import distributed
 from tokenmill.config import EngineConfig, available_memory_bytes
+from tokenmill.distributed.partition import attention_heads, total_kv_heads
 from tokenmill.errors import ConfigError
 from tokenmill.model.attention import get_attention_backend
 from tokenmill.model.attention.quant_kv import bytes_per_token_head, storage_dtype
@@ -25,6 +28,14 @@ from tokenmill.worker.kv_budget import kv_cache_budget, kv_capacity, resolve_max
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+def make_grammar_compiler(config: EngineConfig, source: ModelSource, model_config: ModelConfig):
+    from tokenmill.structured_output.compiler import GrammarCompiler  # xgrammar: only when used
+
+    cfg = config.model
+    return GrammarCompiler(lambda: load_tokenizer(source, cfg.tokenizer, cfg.trust_remote_code),
+                           model_config.vocab_size, model_config.eos_token_id)
 
 
 def rss_bytes() -> int:
@@ -54,14 +65,15 @@ class Worker:
 
             quant_kernels.start_build()
 
-    def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True):
+    def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True,
+                 num_threads: int | None = None):
         self.config = config
         self.source = source
         self.model_config = model_config
         self.device = config.model.torch_device
         self.dtype = config.model.torch_dtype
         if self.device.type == "cpu":
-            configure_cpu(config.parallel.num_threads)
+            configure_cpu(num_threads or config.parallel.num_threads)
         self.max_model_len = resolve_max_model_len(config, model_config)
         t0 = time.monotonic()
         self.backend = get_attention_backend(config.kernel.attention_backend, config.cache.block_size, self.device,
@@ -98,10 +110,10 @@ class Worker:
             raise ConfigError(f"kv_cache_dtype={config.cache.kv_cache_dtype} is read by the cpu_paged backend's "
                               f"kernels; the {self.backend.name} backend cannot read it", param="kv_cache_dtype")
         self.num_blocks = self._num_kv_blocks()
-        self.runner.allocate_kv_cache(self.num_blocks, model_config.num_key_value_heads,
+        self.runner.allocate_kv_cache(self.num_blocks, self.local_kv_heads,
                                       model_config.head_dim, self.dtype, self.kv_storage)
         if self.draft_config is not None:
-            self.proposer.allocate_kv_cache(self.num_blocks, self.draft_config.num_key_value_heads,
+            self.proposer.allocate_kv_cache(self.num_blocks, _local_kv_heads(self.draft_config),
                                             self.draft_config.head_dim, self.dtype, self.kv_storage)
 
     def _build_proposer(self, progress: bool):
@@ -149,22 +161,23 @@ class Worker:
         (cached by spec). The core waits on the future before it schedules the request; the runner
         then finds the compiled grammar done."""
         if self._grammar_compiler is None:
-            from tokenmill.structured_output.compiler import GrammarCompiler  # xgrammar: only when used
-
-            cfg = self.config.model
-            self._grammar_compiler = GrammarCompiler(
-                lambda: load_tokenizer(self.source, cfg.tokenizer, cfg.trust_remote_code),
-                self.model_config.vocab_size, self.model_config.eos_token_id)
+            self._grammar_compiler = make_grammar_compiler(self.config, self.source, self.model_config)
         return self._grammar_compiler.submit(spec)
 
     @property
+    def local_kv_heads(self) -> int:
+        """KV heads in this rank's cache (all of them without tensor parallelism)."""
+        return _local_kv_heads(self.model_config)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """Per token, both the target's and a draft model's K/V (they share blocks)."""
+        """KV bytes per token over every rank (the budget is the engine's, shared by its ranks), both
+        the target's and a draft model's K/V (they share blocks)."""
         return sum(self._kv_bytes(m) for m in (self.model_config, self.draft_config) if m is not None)
 
     def _kv_bytes(self, m: ModelConfig) -> int:
-        return 2 * m.num_hidden_layers * m.num_key_value_heads * bytes_per_token_head(self.kv_storage, self.dtype,
-                                                                                      m.head_dim)
+        heads = total_kv_heads(m.num_attention_heads, m.num_key_value_heads, distributed.state().tp_size)
+        return 2 * m.num_hidden_layers * heads * bytes_per_token_head(self.kv_storage, self.dtype, m.head_dim)
 
     def _kv_budget(self) -> int:
         total = free = None
@@ -175,6 +188,10 @@ class Worker:
     def _num_kv_blocks(self) -> int:
         kv = kv_capacity(self._kv_budget(), self.kv_bytes_per_token, self.config.cache.block_size,
                          self.max_model_len)
+        if torch.distributed.is_initialized():  # ranks may see different free memory: all take the least
+            blocks = torch.tensor([kv.num_blocks])
+            torch.distributed.all_reduce(blocks, op=torch.distributed.ReduceOp.MIN)
+            kv = replace(kv, num_blocks=int(blocks))
         kv_dtype = str(self.kv_storage or self.dtype).removeprefix("torch.")
         draft = f", of which the draft model {self._kv_bytes(self.draft_config)}" if self.draft_config else ""
         logger.info("KV cache: %.1f MiB budget, %s (%d bytes/token%s), %d blocks of %d tokens (%d tokens); "
@@ -183,3 +200,8 @@ class Worker:
                     kv.num_blocks, kv.block_size, kv.num_tokens, self.max_model_len,
                     kv.num_tokens / self.max_model_len)
         return kv.num_blocks
+
+
+def _local_kv_heads(m: ModelConfig) -> int:
+    st = distributed.state()
+    return attention_heads(m.num_attention_heads, m.num_key_value_heads, st.tp_size, st.tp_rank).num_kv_heads

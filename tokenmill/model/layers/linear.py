@@ -10,15 +10,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import distributed
+from tokenmill.distributed.partition import HeadShard
 from tokenmill.errors import ConfigError
 from tokenmill.model.layers.batch_invariance import in_row_tiles
 from tokenmill.model.layers.quantization.base import LinearMethod, QuantConfig
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    if param.shape != loaded.shape:
+def default_weight_loader(param: nn.Parameter, loaded, shard_id=None) -> None:
+    """Copies a whole checkpoint tensor (a torch tensor or a lazy safetensors slice) into `param`."""
+    if tuple(param.shape) != tuple(loaded.shape):
         raise ConfigError(f"weight shape {tuple(loaded.shape)} does not match parameter {tuple(param.shape)}")
-    param.data.copy_(loaded)
+    param.data.copy_(loaded.to(param.dtype))
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device, loader) -> nn.Parameter:
@@ -28,16 +31,20 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device, loader) -> nn.Par
 
 
 def shard_rows_loader(layer: Linear):
-    """Loads a checkpoint shard (q, k, v / gate, up) into its row range of a merged parameter."""
+    """Loads a checkpoint shard (q, k, v / gate, up) into its row range of a merged parameter,
+    taking only this rank's part of it under tensor parallelism."""
 
-    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None:  # already merged in the checkpoint
+    def load(param: nn.Parameter, loaded, shard_id=None) -> None:
+        if shard_id is None and len(layer.shard_slices) > 1:  # already merged in the checkpoint
+            if layer.tp_size > 1:
+                raise ConfigError("a checkpoint with merged projections cannot be split over ranks yet")
             default_weight_loader(param, loaded)
             return
+        loaded = layer.local_part(loaded, shard_id)
         target = param.data[layer.shard_slices[shard_id]]
-        if target.shape != loaded.shape:
+        if tuple(target.shape) != tuple(loaded.shape):
             raise ConfigError(f"shard {shard_id!r}: shape {tuple(loaded.shape)} != {tuple(target.shape)}")
-        target.copy_(loaded)
+        target.copy_(loaded.to(param.dtype))
 
     return load
 
@@ -71,15 +78,27 @@ class UnquantizedLinearMethod(LinearMethod):
 
 class Linear(nn.Module):
     """y = x W^T (+ b). The weight is [out_features, in_features] as in Hugging Face checkpoints.
-    `prefix` is the layer's checkpoint name, by which a QuantConfig chooses its method."""
+    `prefix` is the layer's checkpoint name, by which a QuantConfig chooses its method.
+
+    Tensor parallelism (`parallel`): "column" keeps rows `row_ranges[shard]` (start, size) of each
+    checkpoint shard, and the output stays split; "row" keeps input columns `in_range` (start, size)
+    and all-reduces the output (the bias is added once, after the sum). `in_features` and the shard
+    sizes are this rank's."""
 
     packed_weight: torch.Tensor | None = None  # the unquantized method's oneDNN-packed weight
     row_tile: int | None = None  # batch-invariant mode: GEMMs in fixed row tiles
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  dtype: torch.dtype = torch.float32, device=None, quant_config: QuantConfig | None = None,
-                 prefix: str = "", shard_names: dict | None = None):
+                 prefix: str = "", shard_names: dict | None = None, parallel: str | None = None,
+                 row_ranges: dict | None = None, in_range: tuple[int, int] | None = None):
         super().__init__()
+        self.parallel = parallel
+        self.tp_size = distributed.state().tp_size if parallel else 1
+        self.row_ranges = row_ranges or {}
+        self.in_range = in_range
+        if parallel == "row" and in_range is not None:
+            in_features = in_range[1]
         self.in_features, self.out_features = in_features, out_features
         self.dtype = dtype  # of activations; the weight's own dtype depends on the method
         names = shard_names or {None: prefix}
@@ -89,19 +108,37 @@ class Linear(nn.Module):
         for shard_id, size in sizes.items():
             self.shard_slices[shard_id] = slice(start, start + size)
             start += size
-        self.method = (quant_config.linear_method([names[s] for s in sizes]) if quant_config is not None
-                       else UnquantizedLinearMethod())
+        split = in_range if parallel == "row" and self.tp_size > 1 else None
+        self.method = (quant_config.linear_method([names[s] for s in sizes], in_range=split)
+                       if quant_config is not None else UnquantizedLinearMethod())
         self.method.create_weights(self, in_features, list(sizes.values()), dtype, device)
         self.bias = _param((out_features,), dtype, device, shard_rows_loader(self)) if bias else None
+
+    def local_part(self, loaded, shard_id):
+        """This rank's part of a checkpoint tensor of this layer (weight or bias)."""
+        if self.tp_size == 1:
+            return loaded
+        if self.parallel == "column":
+            start, size = self.row_ranges[shard_id]
+            return loaded.narrow(0, start, size)
+        if len(loaded.shape) == 1:  # a row-parallel layer's bias is whole
+            return loaded
+        return self.method.narrow_columns(self, loaded, *self.in_range, shard_id)
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel == "row" and self.tp_size > 1:
+            y = distributed.tp_all_reduce(in_row_tiles(self._matmul_no_bias, x, self.row_tile))
+            return y if self.bias is None else y + self.bias
         return in_row_tiles(self._matmul, x, self.row_tile)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
+
+    def _matmul_no_bias(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, None)
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
@@ -119,22 +156,28 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 class MergedLinear(Linear):
     """Several projections of the same input fused into one GEMM; checkpoints store them apart, so
     each shard is loaded into its row range. `shard_names` maps each shard id to its checkpoint
-    name (for the QuantConfig: shards of one layer may come in different formats)."""
+    name (for the QuantConfig: shards of one layer may come in different formats). Column-parallel
+    when `row_ranges` is given: shard sizes are then this rank's rows."""
 
     def __init__(self, in_features: int, shard_sizes: dict, bias: bool = False,
                  dtype: torch.dtype = torch.float32, device=None, quant_config: QuantConfig | None = None,
-                 shard_names: dict | None = None):
+                 shard_names: dict | None = None, row_ranges: dict | None = None):
         self._shard_sizes = dict(shard_sizes)
         names = shard_names or {s: str(s) for s in shard_sizes}
         super().__init__(in_features, sum(shard_sizes.values()), bias, dtype, device, quant_config,
-                         shard_names=names)
+                         shard_names=names, parallel="column" if row_ranges else None, row_ranges=row_ranges)
 
 
 class QKVLinear(MergedLinear):
+    """q, k and v of this rank's heads (all of them without tensor parallelism)."""
+
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False, dtype: torch.dtype = torch.float32, device=None,
-                 quant_config: QuantConfig | None = None, prefix: str = ""):
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+                 quant_config: QuantConfig | None = None, prefix: str = "", heads: HeadShard | None = None):
+        heads = heads or HeadShard(0, num_heads, 0, num_kv_heads)
+        self.q_size, self.kv_size = heads.num_heads * head_dim, heads.num_kv_heads * head_dim
         names = {s: f"{prefix}.{s}_proj" for s in ("q", "k", "v")}
+        kv = (heads.kv_start * head_dim, self.kv_size)
+        ranges = {"q": (heads.q_start * head_dim, self.q_size), "k": kv, "v": kv}
         super().__init__(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-                         bias, dtype, device, quant_config, names)
+                         bias, dtype, device, quant_config, names, row_ranges=ranges)

@@ -32,14 +32,15 @@ def build_model(source: ModelSource, cfg: ModelConfig, attn_backend, max_positio
         model = model_cls(cfg, attn_backend, max_position, dtype=dtype, device=device, quant_config=quant_config)
     if source.kind == "gguf":
         packed = quant_config.packed_tensors() if quant_config is not None else set()
-        weights = gguf_loader.iter_weights(source.path, cfg, dtype, packed)
+        keep = getattr(model, "loads_tensor", None)  # pipeline stages skip the others' tensors unread
+        weights = gguf_loader.iter_weights(source.path, cfg, dtype, packed, keep)
         total = None
     else:
         weights = hf_loader.iter_weights(source.path, dtype)
         total = hf_loader.count_tensors(source.path)
     bar = tqdm(weights, total=total, desc=f"Loading {source.name}", unit=" tensors",
                disable=not progress, leave=False)
-    model.load_weights((name, t.to(device)) for name, t in bar)
+    model.load_weights(bar)  # each parameter's loader reads its rank's part and copies it to the device
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

@@ -166,11 +166,12 @@ def _raw(data: np.ndarray, name: str, t: dict) -> np.ndarray:
     return np.frombuffer(data, dtype=dt, count=count, offset=t["offset"]).reshape(t["data_shape"])
 
 
-def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype,
-                 packed: set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: set[str] = frozenset(),
+                 keep=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, tensor) pairs: tensors named in `packed` as their raw blocks ([rows, bytes per row]
     uint8, Llama's Q/K rows permuted back whole), the others dequantized on a small thread pool
-    (numpy releases the GIL). Every block's scales are checked first: a corrupt block is an error."""
+    (numpy releases the GIL). `keep(hf_name)` False skips a tensor unread (another pipeline
+    stage's). Every block's scales are checked first: a corrupt block is an error."""
     from gguf.quants import dequantize
 
     from tokenmill.model.layers.quantization.formats import BY_ID, check_blocks
@@ -200,6 +201,7 @@ def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype,
             arr = arr.copy()
         return hf, torch.from_numpy(arr).to(dtype)
 
-    items = [(n, t) for n, t in index.items() if hf_tensor_name(n) is not None]
+    items = [(n, t) for n, t in index.items()
+             if (hf := hf_tensor_name(n)) is not None and (keep is None or keep(hf))]
     with ThreadPoolExecutor(max_workers=2) as pool:
         yield from pool.map(load, items)

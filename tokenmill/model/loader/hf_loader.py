@@ -16,7 +16,24 @@ def load_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
 
 
-def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+class LazyTensor:
+    """A safetensors tensor not read yet: a tensor-parallel rank reads only its rows or columns
+    (`narrow`), a whole-tensor loader reads it all (`to`). Both give `dtype` first, as a full read
+    would."""
+
+    def __init__(self, view, dtype: torch.dtype):
+        self.view, self.dtype = view, dtype
+        self.shape = tuple(view.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self.view[index].to(self.dtype)
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.view[:].to(self.dtype).to(dtype)
+
+
+def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor | LazyTensor]]:
     files = sorted(path.glob("*.safetensors"))
     if files:
         from safetensors import safe_open
@@ -24,7 +41,7 @@ def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Te
         for f in files:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name).to(dtype)
+                    yield name, LazyTensor(st.get_slice(name), dtype)
         return
     files = sorted(path.glob("pytorch_model*.bin"))
     if not files:

@@ -35,6 +35,10 @@ class LinearMethod(ABC):
         """Rows `ids` of the weight (for an embedding table)."""
         raise NotImplementedError(f"{type(self).__name__} cannot serve as an embedding")
 
+    def narrow_columns(self, layer: nn.Module, loaded, start: int, size: int, shard_id=None):
+        """Input columns [start, start + size) of a checkpoint weight (a row-parallel rank's part)."""
+        return loaded.narrow(1, start, size)
+
     def extra_bytes(self, layer: nn.Module) -> int:
         """Bytes held beyond the layer's parameters (e.g. a dense copy), for memory accounting."""
         return 0
@@ -46,8 +50,10 @@ class QuantConfig(ABC):
     name: str = "abstract"
 
     @abstractmethod
-    def linear_method(self, shard_names: list[str]) -> LinearMethod:
-        """shard_names: checkpoint names of the weight's shards, e.g. [...q_proj, ...k_proj, ...v_proj]."""
+    def linear_method(self, shard_names: list[str], in_range: tuple[int, int] | None = None) -> LinearMethod:
+        """shard_names: checkpoint names of the weight's shards, e.g. [...q_proj, ...k_proj, ...v_proj].
+        in_range: (start, size) of the input columns a row-parallel rank holds (None: all of them); a
+        packed format that cannot be split there (not on whole blocks) must choose a dense method."""
 
     def embedding_method(self, name: str) -> LinearMethod:
         return self.linear_method([name])

@@ -28,10 +28,10 @@ class GGUFConfig(QuantConfig):
         self._packed: set[str] = set()
         self._warned: set[int] = set()
 
-    def linear_method(self, shard_names: list[str]) -> LinearMethod:
+    def linear_method(self, shard_names: list[str], in_range: tuple[int, int] | None = None) -> LinearMethod:
         names = [f"{n}.weight" for n in shard_names]
         types = [self.tensor_types.get(n) for n in names]
-        if all(t in NATIVE_GGUF for t in types):
+        if all(t in NATIVE_GGUF for t in types) and not split_within_blocks(types, in_range):
             self._packed.update(names)
             return PackedLinearMethod(types, self.dense_min_rows, self.act_bits)
         for t in types:
@@ -49,6 +49,19 @@ class GGUFConfig(QuantConfig):
         for n in self._packed:
             counts[BY_ID[self.tensor_types[n]].name] = counts.get(BY_ID[self.tensor_types[n]].name, 0) + 1
         return "gguf (" + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) + ")"
+
+
+def split_within_blocks(types: list[int | None], in_range: tuple[int, int] | None) -> bool:
+    """Whether a row-parallel split at `in_range` would cut a block of one of these formats (the
+    layer is then dequantized at load: a packed weight splits along whole blocks only)."""
+    if in_range is None:
+        return False
+    start, size = in_range
+    cut = any(t in BY_ID and (start % BY_ID[t].block or size % BY_ID[t].block) for t in types)
+    if cut:
+        logger.info("input columns %d..%d of a row-parallel layer split %s blocks: dequantized at load", start,
+                    start + size, "/".join(BY_ID[t].name for t in types if t in BY_ID))
+    return cut
 
 
 def _type_name(t: int) -> str:

@@ -59,8 +59,17 @@ class PackedLinearMethod(LinearMethod):
         layer.weight.weight_loader = self._loader(layer)
         layer.q_views = None
 
+    def narrow_columns(self, layer, loaded, start, size, shard_id=None):
+        """Raw rows [rows, bytes]: the bytes of whole blocks (the QuantConfig chose a dense method
+        where a split would cut one)."""
+        f = BY_ID[self.qtypes[list(layer.shard_slices).index(shard_id) if shard_id is not None else 0]]
+        if f.row_head or start % f.block or size % f.block:
+            raise ConfigError(f"cannot split {f.name} weights at input columns {start}..{start + size}")
+        return loaded.narrow(1, start // f.block * f.bytes, size // f.block * f.bytes)
+
     def _loader(self, layer):
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+            loaded = layer.local_part(loaded, shard_id)
             i = list(layer.shard_slices).index(shard_id) if shard_id is not None else 0
             start, end = layer.q_offsets[i], layer.q_offsets[i + 1]
             if loaded.dtype != torch.uint8 or loaded.numel() != end - start:

@@ -30,9 +30,11 @@ class WeightOnlyConfig(QuantConfig):
             return FORMATS["I8_ROW"]
         return FORMATS["Q4_1"] if self.group_size == 32 else FORMATS["I4_G128"]
 
-    def linear_method(self, shard_names: list[str]) -> LinearMethod:
+    def linear_method(self, shard_names: list[str], in_range: tuple[int, int] | None = None) -> LinearMethod:
         if shard_names == ["lm_head"]:
             return UnquantizedLinearMethod()
+        if in_range is not None and (in_range[0] % self.format.block or in_range[1] % self.format.block):
+            return UnquantizedLinearMethod()  # a rank's columns would cut its groups
         return QuantizeAtLoadMethod(self.format.id, self.dense_min_rows, self.act_bits)
 
     def embedding_method(self, name: str) -> LinearMethod:

@@ -1,0 +1,121 @@
+"""Process groups and the collectives the model's layers call (vLLM's parallel_state, small).
+
+A process that never called `init_distributed` is rank 0 of 1: every collective is then a no-op, so
+the layers are the same code with and without parallelism. Collectives time out after
+`collective_timeout` seconds (set at init): a dead or stuck peer becomes an error, not a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    """Bytes and seconds spent in tensor-parallel all-reduces (for benchmarks)."""
+
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class ParallelState:
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_group: object = None
+    stats: CommStats = field(default_factory=CommStats)
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of this rank's peer (same tp rank) in stage `pp_rank`."""
+        return pp_rank * self.tp_size + self.tp_rank
+
+
+_STATE = ParallelState()
+
+
+def state() -> ParallelState:
+    return _STATE
+
+
+def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, timeout_s: float,
+                     backend: str | None = None) -> ParallelState:
+    """Join the world (tp_size x pp_size ranks; rank = pp_rank * tp_size + tp_rank) and make one
+    tensor-parallel group per pipeline stage."""
+    global _STATE
+    world = tp_size * pp_size
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+    groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size)), timeout=timedelta(seconds=timeout_s))
+              for s in range(pp_size)]
+    pp_rank, tp_rank = divmod(rank, tp_size)
+    _STATE = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank])
+    return _STATE
+
+
+def destroy_distributed() -> None:
+    global _STATE
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = ParallelState()
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the tensor-parallel group, in place."""
+    s = _STATE
+    if s.tp_size == 1:
+        return x
+    t0 = time.perf_counter()
+    dist.all_reduce(x, group=s.tp_group)
+    s.stats.calls += 1
+    s.stats.bytes += x.numel() * x.element_size()
+    s.stats.seconds += time.perf_counter() - t0
+    return x
+
+
+def tp_all_gather_cols(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Concatenate each rank's [rows, sizes[r]] block along the columns (blocks padded to the
+    largest for the collective, trimmed after)."""
+    s = _STATE
+    if s.tp_size == 1:
+        return x
+    width = max(sizes)
+    if x.shape[1] < width:
+        x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
+    parts = [torch.empty_like(x) for _ in range(s.tp_size)]
+    dist.all_gather(parts, x.contiguous(), group=s.tp_group)
+    return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
+
+
+def pp_send(tensors: list[torch.Tensor], dst_stage: int) -> None:
+    for t in tensors:
+        dist.send(t.contiguous(), _STATE.stage_rank(dst_stage))
+
+
+def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, src_stage: int) -> list[torch.Tensor]:
+    out = []
+    for shape in shapes:
+        t = torch.empty(shape, dtype=dtype)
+        dist.recv(t, _STATE.stage_rank(src_stage))
+        out.append(t)
+    return out
