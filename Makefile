@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean install-qwen system-deps install-ecosystem
+.PHONY: install serve test test-quick lint bench clean install-qwen system-deps install-ecosystem
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ serve: install
 
 test: install system-deps install-ecosystem
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# the suite without the end-to-end tests marked slow (see pyproject.toml's markers)
+test-quick: install system-deps install-ecosystem
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
 # System programs some tests drive (a real browser for the dashboard, a real Prometheus): command:package.
 # Installed with apt-get when missing and we are root; otherwise (or if apt fails) said, and those tests skip.

@@ -9,6 +9,7 @@ against a server started with --disable-dashboard (both stay up; the arms altern
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -19,21 +20,14 @@ from pathlib import Path
 
 import httpx
 
+from tokenmill.bench.server_process import ServerProcess
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def serve(port: int, *flags: str) -> subprocess.Popen:
-    proc = subprocess.Popen([str(BIN / "tokenmill"), "serve", "--port", str(port), *flags],
-                            stdout=open(REPO / "bench-results" / f"dashboard-serve-{port}.log", "w"),
-                            stderr=subprocess.STDOUT)
-    for _ in range(600):
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise TimeoutError("server did not start")
+def serve(port: int, *flags: str) -> ServerProcess:
+    return ServerProcess(*flags, port=port, log_path=str(REPO / "bench-results" / f"dashboard-serve-{port}.log"))
 
 
 def bench(url: str, args, seed: int) -> float:
@@ -62,9 +56,10 @@ def main() -> None:
     # both servers stay up (an idle one uses no CPU) and the arms alternate, so drift hits all of them
     on, off = "http://127.0.0.1:8130", "http://127.0.0.1:8131"
     starts = [(8130, ("--kv-cache-memory", "1GiB")), (8131, ("--kv-cache-memory", "1GiB", "--disable-dashboard"))]
-    servers = [serve(port, *flags) for port, flags in (starts[::-1] if args.off_first else starts)]
     arms = {"dashboard on, page closed": [], "dashboard on, polled 1/s": [], "--disable-dashboard": []}
-    try:
+    with contextlib.ExitStack() as servers:
+        for port, flags in starts[::-1] if args.off_first else starts:
+            servers.enter_context(serve(port, *flags))
         seed = 1000
         for url in (on, off):
             bench(url, args, seed := seed + 1)  # warm-up, not counted
@@ -79,10 +74,6 @@ def main() -> None:
                     stop.set()
                     poller.join()
         state = httpx.get(on + "/dashboard/api/state", timeout=30).json()
-    finally:
-        for server in servers:
-            server.terminate()
-            server.wait(60)
     for arm, values in arms.items():
         runs = ", ".join(f"{v:.1f}" for v in values)
         print(f"{arm:>28}: output tok/s median {statistics.median(values):.1f} ({runs})")

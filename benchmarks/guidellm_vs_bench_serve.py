@@ -18,25 +18,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tokenmill.bench.server_process import ServerProcess
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-
-
-def wait_up(url: str, proc: subprocess.Popen) -> None:
-    import httpx
-
-    for _ in range(600):
-        assert proc.poll() is None, "tokenmill serve exited"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(url)
 
 
 def server_itl_ms(url: str) -> tuple[float, float]:
@@ -65,10 +52,9 @@ def main() -> None:
     from tokenmill.model.loader import gguf_loader, resolve_model
 
     tokenizer = gguf_loader.tokenizer_dir(resolve_model(None).path)
-    server = subprocess.Popen([str(BIN / "tokenmill"), "serve", "--port", str(args.port)],
-                              stdout=open(out / "guidellm-serve.log", "w"), stderr=subprocess.STDOUT)
+    server = ServerProcess(port=args.port, log_path=str(out / "guidellm-serve.log"))
     try:
-        wait_up(url, server)
+        server.wait_ready()
         import resource
 
         gjson = out / "guidellm.json"
@@ -107,8 +93,7 @@ def main() -> None:
                          g["inter_token_latency_ms"]["mean"], run["itl_ms"]["mean"], run["tpot_ms"]["mean"]))
         itl2, cpu2 = server_itl_ms(url), resource.getrusage(resource.RUSAGE_CHILDREN)
     finally:
-        server.terminate()
-        server.wait(60)
+        server.stop()
     print("| load point | TTFT p50 guidellm | TTFT p50 bench serve | TTFT mean guidellm | TTFT mean bench serve "
           "| ITL mean guidellm | ITL mean bench serve | TPOT mean bench serve |")
     print("|---|---|---|---|---|---|---|---|")

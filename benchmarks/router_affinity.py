@@ -14,24 +14,17 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
 
+from tokenmill.bench.server_process import ServerProcess
+
 BIN = Path(sys.executable).parent
 VOCAB_LO, VOCAB_HI = 1000, 40000  # ordinary tokens of SmolLM2's vocabulary
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload(seed: int = 0) -> list[list[int]]:
@@ -72,28 +65,14 @@ async def _drive(url: str, prompts: list[list[int]], concurrency: int = 8) -> li
 
 
 def measure(policy: str, prompts: list[list[int]]) -> dict:
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(f"/tmp/router-affinity-{policy}.log", "w")
-    server = subprocess.Popen([BIN / "tokenmill", "serve", "--port", str(port), "--data-parallel-size", "2",
-                               "--kv-cache-memory", "128MiB", "--max-model-len", "2048", "--router-policy", policy],
-                              stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    args = ["--data-parallel-size", "2", "--kv-cache-memory", "128MiB", "--max-model-len", "2048",
+            "--router-policy", policy]
+    with ServerProcess(*args, log_path=f"/tmp/router-affinity-{policy}.log") as server:
+        url = server.url
         asyncio.run(_drive(url, [[7, 8, 9, 10]] * 2, 1))  # warm-up, shares nothing with the workload
         before = _counters(url)
         ttfts = asyncio.run(_drive(url, prompts))
         after = _counters(url)
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
-        log.close()
     q = after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"]
     h = after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]
     ttfts.sort()

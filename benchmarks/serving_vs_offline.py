@@ -13,25 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from tokenmill.bench.server_process import ServerProcess
 
 BIN = Path(sys.executable).parent
 WORKLOAD = ["--num-prompts", "64", "--input-len", "128", "--output-len", "128"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def offline(out: Path) -> float:
@@ -41,27 +32,11 @@ def offline(out: Path) -> float:
 
 
 def serving(out: Path, extra: list[str]) -> float:
-    port = _port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(out.with_suffix(".log"), "w")
-    server = subprocess.Popen([BIN / "tokenmill", "serve", "--port", str(port), *extra], stdout=log,
-                              stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        subprocess.run([BIN / "tokenmill", "bench", "serve", "--base-url", url, *WORKLOAD, "--concurrency", "64",
-                        "--ignore-eos", "--temperature", "1.0", "--warmup", "4", "--no-progress",
+    with ServerProcess(*extra, log_path=str(out.with_suffix(".log"))) as server:
+        subprocess.run([BIN / "tokenmill", "bench", "serve", "--base-url", server.url, *WORKLOAD, "--concurrency",
+                        "64", "--ignore-eos", "--temperature", "1.0", "--warmup", "4", "--no-progress",
                         "--output-json", str(out)], check=True, stdout=subprocess.DEVNULL)
-        return json.loads(out.read_text())["runs"][0]["output_token_throughput"]
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(60)
-        log.close()
+    return json.loads(out.read_text())["runs"][0]["output_token_throughput"]
 
 
 def main() -> None:

@@ -22,11 +22,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.server_utils import free_port  # noqa: E402
+from tokenmill.bench.server_process import free_port
 
 MARKERS = [("imports", "Started server process"), ("weights", "tokenmill.worker.worker: loaded"),
            ("engine", "engine ready"), ("serving", "tokenmill.server: serving")]

@@ -282,6 +282,7 @@ def test_arrival_times_are_gamma_with_the_asked_mean_rate():
 
 # --- the Hugging Face baseline server ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_hf_baseline_server_serves_one_request_at_a_time(tmp_path):
     port = free_port()
     log = open(tmp_path / "hf.log", "w")

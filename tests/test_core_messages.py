@@ -55,6 +55,9 @@ def test_core_params_carry_what_the_core_acts_on():
                                                                                              {7: 1})
     assert not core.greedy and CoreSamplingParams.from_params(SamplingParams(temperature=0)).greedy
     assert not hasattr(core, "stop") and not hasattr(core, "n")  # front-end concerns stay there
+    # the defaults are SamplingParams's: a default request crosses the boundary as an empty map
+    assert CoreSamplingParams.from_params(SamplingParams()) == CoreSamplingParams()
+    assert msgspec.msgpack.encode(CoreSamplingParams.from_params(SamplingParams())) == b"\x80"
 
 
 def test_front_end_builds_engine_core_requests(smol_bf16):

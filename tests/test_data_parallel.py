@@ -172,33 +172,15 @@ def test_two_ray_replicas_one_killed_mid_load():
                 if any("EngineCoreActor" in part for part in (p.info["cmdline"] or []))]
 
 
-class RouterProcess:
-    def __init__(self, replicas: list[str]):
-        import subprocess
-        import sys
-        import tempfile
+def router_process(replicas: list[str]):
+    from tokenmill.bench.server_process import ServerProcess as Process
 
-        from tests.server_utils import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_file = tempfile.NamedTemporaryFile(prefix="tokenmill-router-", suffix=".log", delete=False)
-        args = [a for url in replicas for a in ("--replica", url)]
-        self.proc = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.cli.main", "router",
-                                      "--port", str(self.port), *args], stdout=self.log_file,
-                                     stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        raise TimeoutError(open(self.log_file.name).read())
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+    router = Process(*[a for url in replicas for a in ("--replica", url)], command="router")
+    try:
+        return router.wait_ready(60)
+    except BaseException:
+        router.stop()
+        raise
 
 
 @pytest.mark.slow
@@ -208,7 +190,7 @@ def test_standalone_router_over_two_servers_one_killed():
     try:
         for s in servers:
             s.wait_ready()
-        router = RouterProcess([s.url for s in servers])
+        router = router_process([s.url for s in servers])
         alone = _greedy(servers[0].url, "The three primary colours are").json()["choices"][0]["text"]
         assert _greedy(router.url, "The three primary colours are").json()["choices"][0]["text"] == alone
         results = _load_with_a_kill(router, lambda: servers[1].proc.kill())

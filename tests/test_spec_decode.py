@@ -182,6 +182,7 @@ def test_bad_speculative_config_is_a_clear_error(bad, match):
         EngineConfig.from_kwargs(speculative_config=bad)
 
 
+@pytest.mark.slow
 def test_draft_model_greedy_identical_to_no_speculation(reference_fp32, smol_path, tiny_llama_dir):
     """SmolLM2 drafting for itself (drafts mostly kept) and a random tiny Llama with the same
     vocabulary (drafts mostly rejected), with a pool small enough to preempt."""

@@ -6,40 +6,41 @@ process: `encoder.encode(x)` / `decoder(EngineCoreOutputs).decode(buf)` round-tr
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 
 from tokenmill.sampling_params import GREEDY_EPS, SamplingParams
 from tokenmill.structured_output.params import GrammarSpec
 
+_DEFAULT = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+
 
 class CoreSamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     """The part of SamplingParams the core acts on (the front end keeps stop strings, n, output
-    kind and detokenization options)."""
+    kind and detokenization options). Names and defaults are SamplingParams's own."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: all tokens
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: float = _DEFAULT["temperature"]
+    top_p: float = _DEFAULT["top_p"]
+    top_k: int = _DEFAULT["top_k"]
+    min_p: float = _DEFAULT["min_p"]
+    presence_penalty: float = _DEFAULT["presence_penalty"]
+    frequency_penalty: float = _DEFAULT["frequency_penalty"]
+    repetition_penalty: float = _DEFAULT["repetition_penalty"]
     logit_bias: dict[int, float] | None = None
-    seed: int | None = None
-    min_tokens: int = 0
+    seed: int | None = _DEFAULT["seed"]
+    min_tokens: int = _DEFAULT["min_tokens"]
     stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    logprobs: int | None = None  # top-N at each sampled position (0: the sampled token only)
-    prompt_logprobs: int | None = None
+    ignore_eos: bool = _DEFAULT["ignore_eos"]
+    logprobs: int | None = _DEFAULT["logprobs"]
+    prompt_logprobs: int | None = _DEFAULT["prompt_logprobs"]
     grammar: GrammarSpec | None = None  # structured output: the worker's matcher follows it
 
     @classmethod
     def from_params(cls, p: SamplingParams) -> CoreSamplingParams:
-        return cls(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-                   presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                   repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or None, seed=p.seed,
-                   min_tokens=p.min_tokens, stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
-                   logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
-                   grammar=p.structured_outputs.spec() if p.structured_outputs is not None else None)
+        copied = {name: getattr(p, name) for name in cls.__struct_fields__ if name in _DEFAULT}
+        return cls(**{**copied, "logit_bias": p.logit_bias or None, "stop_token_ids": list(p.stop_token_ids),
+                      "grammar": p.structured_outputs.spec() if p.structured_outputs is not None else None})
 
     @property
     def greedy(self) -> bool:

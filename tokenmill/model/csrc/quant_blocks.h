@@ -72,6 +72,15 @@ inline void scale_min_k4(int j, const uint8_t* q, int& d, int& m) {
   }
 }
 
+// 32 weights from 16 bytes: low nibbles are weights 0-15, high nibbles 16-31; Q5 types add bit j
+// of `qh` as weight j's fifth bit.
+inline void unpack_nibbles(const uint8_t* q, uint8_t* u, uint32_t qh = 0) {
+  for (int j = 0; j < 16; ++j) {
+    u[j] = (q[j] & 0xF) | (((qh >> j) & 1) << 4);
+    u[j + 16] = (q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+  }
+}
+
 // Scales and offsets of one chunk: [0] for weights 0-15, [1] for 16-31.
 struct ChunkScale {
   float d[2];
@@ -91,7 +100,7 @@ struct FQ4_0 {
   }
   static void bytes(const uint8_t* row, int c, uint8_t* u) {
     const uint8_t* q = row + c * BYTES + 2;
-    for (int j = 0; j < 16; ++j) { u[j] = q[j] & 0xF; u[j + 16] = q[j] >> 4; }
+    unpack_nibbles(q, u);
   }
 };
 
@@ -105,7 +114,7 @@ struct FQ4_1 {
   }
   static void bytes(const uint8_t* row, int c, uint8_t* u) {
     const uint8_t* q = row + c * BYTES + 4;
-    for (int j = 0; j < 16; ++j) { u[j] = q[j] & 0xF; u[j + 16] = q[j] >> 4; }
+    unpack_nibbles(q, u);
   }
 };
 
@@ -122,10 +131,7 @@ struct FQ5_0 {
     uint32_t qh;
     std::memcpy(&qh, b + 2, 4);
     const uint8_t* q = b + 6;
-    for (int j = 0; j < 16; ++j) {
-      u[j] = (q[j] & 0xF) | (((qh >> j) & 1) << 4);
-      u[j + 16] = (q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-    }
+    unpack_nibbles(q, u, qh);
   }
 };
 
@@ -142,10 +148,7 @@ struct FQ5_1 {
     uint32_t qh;
     std::memcpy(&qh, b + 4, 4);
     const uint8_t* q = b + 8;
-    for (int j = 0; j < 16; ++j) {
-      u[j] = (q[j] & 0xF) | (((qh >> j) & 1) << 4);
-      u[j + 16] = (q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
-    }
+    unpack_nibbles(q, u, qh);
   }
 };
 
@@ -184,7 +187,7 @@ struct FI4G128 {
   static const uint8_t* nibbles(const uint8_t* row, int c) { return row + (c >> 2) * BYTES + 4 + (c & 3) * 16; }
   static void bytes(const uint8_t* row, int c, uint8_t* u) {
     const uint8_t* q = nibbles(row, c);
-    for (int j = 0; j < 16; ++j) { u[j] = q[j] & 0xF; u[j + 16] = q[j] >> 4; }
+    unpack_nibbles(q, u);
   }
 };
 

@@ -1,0 +1,86 @@
+"""A real `tokenmill serve` (or `tokenmill router`) process on a free loopback port, for the
+benchmarks and the tests that drive a server from outside."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`tokenmill <command> --port P *args`, its output in a log file (`log_path`, a temporary file
+    unless given). Use as a context manager, or call `wait_ready` and `stop`."""
+
+    def __init__(self, *args: str, command: str = "serve", env: dict | None = None, port: int | None = None,
+                 log_path: str | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        if log_path is None:
+            log_path = tempfile.NamedTemporaryFile(prefix=f"tokenmill-{command}-", suffix=".log", delete=False).name
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli.main", command, "--port", str(self.port), *args]
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 300.0) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled view of /metrics: metric name -> value (the last sample of each name)."""
+        out = {}
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line and not line.startswith("#"):
+                name_labels, value = line.rsplit(" ", 1)
+                out[name_labels.split("{")[0]] = float(value)
+        return out
+
+    def __enter__(self) -> ServerProcess:
+        try:
+            return self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
