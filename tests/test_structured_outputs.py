@@ -107,6 +107,7 @@ def test_greedy_survives_preemption_and_prefix_caching(smol_fp32):
     tokens and matchers); prompts share a prefix (prefix-cache hits). Greedy outputs equal those of
     a roomy engine."""
     import gc
+    import threading
 
     from tokenmill import LLM
 
@@ -117,6 +118,7 @@ def test_greedy_survives_preemption_and_prefix_caching(smol_fp32):
                for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": schema})
     roomy = smol_fp32.generate(prompts, params, use_tqdm=False)
+    before = set(threading.enumerate())
     tiny = LLM(dtype="float32", quantization="none", kv_cache_memory=17 * 16 * 46080, max_model_len=256, progress=False)
     try:
         outs = tiny.generate(prompts, params, use_tqdm=False)
@@ -125,6 +127,13 @@ def test_greedy_survives_preemption_and_prefix_caching(smol_fp32):
         for a, b in zip(outs, roomy):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert core.kv.pool.num_free_blocks == core.kv.num_blocks and not core.worker.runner.requests
+        # shutting the engine down stops the threads it started: grammar compilation and mask filling
+        started = [t for t in set(threading.enumerate()) - before if t.name.startswith("tokenmill-grammar")]
+        assert {t.name.split("_")[0] for t in started} == {"tokenmill-grammar", "tokenmill-grammar-mask"}
+        tiny.engine.shutdown()
+        for t in started:
+            t.join(10)
+        assert not [t.name for t in started if t.is_alive()]
     finally:
         del tiny
         gc.collect()
