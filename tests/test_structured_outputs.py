@@ -166,3 +166,28 @@ def test_compiling_grammar_holds_back_only_its_request(smol_fp32, monkeypatch):
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert re.fullmatch(pattern, finished["grammar"].outputs[0].text)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_grammar_that_fails_to_compile_fails_only_its_request(smol_fp32, monkeypatch):
+    """The front end validates a spec, so a compile failure is unexpected: it fails its request as
+    an error (reported like any request that failed alone), and the others run on."""
+    engine = smol_fp32.engine
+    worker = engine.core.worker
+    worker.prepare_grammar(StructuredOutputsParams(choice=["x"]).spec()).result()  # the compiler exists
+
+    def broken(spec):
+        raise RuntimeError("the compiler broke")
+
+    monkeypatch.setattr(worker._grammar_compiler, "_compile", broken)
+    engine.add_request("grammar", "Letters:", SamplingParams(temperature=0, max_tokens=12,
+                                                             structured_outputs={"regex": "(xy|zw){2,5}\\?"}))
+    engine.add_request("plain", "Hello", SamplingParams(temperature=0, max_tokens=8))
+    finished, failed = {}, {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        failed.update(engine.take_failed())
+    assert list(failed) == ["grammar"]
+    assert "grammar compile failed: RuntimeError: the compiler broke" in failed["grammar"]
+    assert list(finished) == ["plain"] and len(finished["plain"].outputs[0].token_ids) == 8
+    kv = engine.core.kv
+    assert kv.pool.num_free_blocks == kv.num_blocks
