@@ -27,10 +27,12 @@ def stream_events(url: str, body: dict, timeout: float = 120) -> list[str]:
         return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
 
 
-@pytest.fixture(scope="module")
-def faulty():
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-core", "two-replicas"])
+def faulty(request):
+    """With two data-parallel replicas, a request's failure crosses the DP client's merge of the
+    replicas' outputs (and an n=2 request's samples may sit on different replicas)."""
     spec = ",".join(f"{k}:{v}" for k, v in FAULTS.items())
-    srv = ServerProcess(env={"TOKENMILL_DEBUG_FAULTS": spec}).wait_ready()
+    srv = ServerProcess("--data-parallel-size", str(request.param), env={"TOKENMILL_DEBUG_FAULTS": spec}).wait_ready()
     yield srv
     assert srv.stop() == 0
     assert "Traceback" not in srv.log(), srv.log()

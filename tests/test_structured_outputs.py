@@ -107,6 +107,7 @@ def test_greedy_survives_preemption_and_prefix_caching(smol_fp32):
     tokens and matchers); prompts share a prefix (prefix-cache hits). Greedy outputs equal those of
     a roomy engine."""
     import gc
+    import threading
 
     from tokenmill import LLM
 
@@ -117,6 +118,7 @@ def test_greedy_survives_preemption_and_prefix_caching(smol_fp32):
                for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=64, structured_outputs={"json": schema})
     roomy = smol_fp32.generate(prompts, params, use_tqdm=False)
+    before = set(threading.enumerate())
     tiny = LLM(dtype="float32", quantization="none", kv_cache_memory=17 * 16 * 46080, max_model_len=256, progress=False)
     try:
         outs = tiny.generate(prompts, params, use_tqdm=False)
@@ -125,6 +127,13 @@ def test_greedy_survives_preemption_and_prefix_caching(smol_fp32):
         for a, b in zip(outs, roomy):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert core.kv.pool.num_free_blocks == core.kv.num_blocks and not core.worker.runner.requests
+        # shutting the engine down stops the threads it started: grammar compilation and mask filling
+        started = [t for t in set(threading.enumerate()) - before if t.name.startswith("tokenmill-grammar")]
+        assert {t.name.split("_")[0] for t in started} == {"tokenmill-grammar", "tokenmill-grammar-mask"}
+        tiny.engine.shutdown()
+        for t in started:
+            t.join(10)
+        assert not [t.name for t in started if t.is_alive()]
     finally:
         del tiny
         gc.collect()
@@ -157,3 +166,28 @@ def test_compiling_grammar_holds_back_only_its_request(smol_fp32, monkeypatch):
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert re.fullmatch(pattern, finished["grammar"].outputs[0].text)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_grammar_that_fails_to_compile_fails_only_its_request(smol_fp32, monkeypatch):
+    """The front end validates a spec, so a compile failure is unexpected: it fails its request as
+    an error (reported like any request that failed alone), and the others run on."""
+    engine = smol_fp32.engine
+    worker = engine.core.worker
+    worker.prepare_grammar(StructuredOutputsParams(choice=["x"]).spec()).result()  # the compiler exists
+
+    def broken(spec):
+        raise RuntimeError("the compiler broke")
+
+    monkeypatch.setattr(worker._grammar_compiler, "_compile", broken)
+    engine.add_request("grammar", "Letters:", SamplingParams(temperature=0, max_tokens=12,
+                                                             structured_outputs={"regex": "(xy|zw){2,5}\\?"}))
+    engine.add_request("plain", "Hello", SamplingParams(temperature=0, max_tokens=8))
+    finished, failed = {}, {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        failed.update(engine.take_failed())
+    assert list(failed) == ["grammar"]
+    assert "grammar compile failed: RuntimeError: the compiler broke" in failed["grammar"]
+    assert list(finished) == ["plain"] and len(finished["plain"].outputs[0].token_ids) == 8
+    kv = engine.core.kv
+    assert kv.pool.num_free_blocks == kv.num_blocks

@@ -54,7 +54,6 @@ class Scheduler:
         self.waiting = make_queue(policy, priority_aging)
         self.running: list[Request] = []
         self.compiling: list[Request] = []  # waiting for their grammar; they hold nobody up
-        self.compile_failures: list[EngineCoreOutput] = []  # for the next step's outputs
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.finished_req_ids: list[str] = []  # for the runner, with the next SchedulerOutput
@@ -104,8 +103,8 @@ class Scheduler:
         return bool(self.requests or self.finished_req_ids)
 
     def _admit_compiled(self) -> None:
-        """Requests whose grammar has compiled join the waiting queue; a failed compile ends its
-        request (the front end validated the spec, so this is not expected)."""
+        """Requests whose grammar has compiled join the waiting queue; a failed compile fails its
+        request alone, as an error (the front end validated the spec, so this is not expected)."""
         for req in [r for r in self.compiling if r.grammar_ready is None or r.grammar_ready.done()]:
             self.compiling.remove(req)
             error = req.grammar_ready.exception() if req.grammar_ready is not None else None
@@ -115,8 +114,7 @@ class Scheduler:
                 continue
             logger.error("request %s: grammar failed to compile: %s", req.request_id, error)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
-            self.compile_failures.append(EngineCoreOutput(req.request_id, finish_reason="abort",
-                                                          stop_reason=f"grammar compile failed: {error}"))
+            self.failed[req.request_id] = f"grammar compile failed: {type(error).__name__}: {error}"
 
     # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:

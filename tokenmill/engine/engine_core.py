@@ -82,13 +82,12 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
-        failed, self.scheduler.compile_failures = self.scheduler.compile_failures, []
         errors, self.scheduler.failed = self.scheduler.failed, {}
         if sched.is_empty:
             self.executor.execute(sched)  # no model run; drops finished requests' state
-            if self.scheduler.compiling and not failed and not errors:  # nothing to run until a grammar is ready
+            if self.scheduler.compiling and not errors:  # nothing to run until a grammar is ready
                 wait([r.grammar_ready for r in self.scheduler.compiling], _GRAMMAR_POLL_S, FIRST_COMPLETED)
-            return EngineCoreOutputs(failed, timestamp=time.monotonic(), scheduler_stats=self.stats(), failed=errors)
+            return EngineCoreOutputs([], timestamp=time.monotonic(), scheduler_stats=self.stats(), failed=errors)
         t0 = time.perf_counter()
         try:
             result = self.executor.execute(sched)
@@ -111,4 +110,4 @@ class EngineCore:
             num_out = sum(len(o.new_token_ids) for o in outputs)
             policy.observe(num_running, bool(spec), time.perf_counter() - t0, num_out)
         self._drop_finished_if_idle()
-        return EngineCoreOutputs(failed + outputs, time.monotonic(), self.stats(), failed=errors)
+        return EngineCoreOutputs(outputs, time.monotonic(), self.stats(), failed=errors)

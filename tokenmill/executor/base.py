@@ -76,3 +76,8 @@ class RankedExecutor(Executor):
 
             self._grammars = make_grammar_compiler(self.config, self.source, self.model_config)
         return self._grammars.submit(spec)
+
+    def _close_grammars(self) -> None:
+        if getattr(self, "_grammars", None) is not None:  # None too when start-up failed before _setup
+            self._grammars.shutdown()
+            self._grammars = None

@@ -145,6 +145,7 @@ class MultiprocExecutor(RankedExecutor):
         raise WorkerDiedError(reason)
 
     def shutdown(self) -> None:
+        self._close_grammars()
         self._finalizer()
 
 

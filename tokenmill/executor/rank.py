@@ -45,6 +45,7 @@ class RankWorker:
         return self._encode(out) if self.is_output else None
 
     def close(self) -> None:
+        self.worker.shutdown()
         distributed.destroy_distributed()
 
 

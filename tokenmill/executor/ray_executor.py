@@ -75,6 +75,7 @@ class RayExecutor(RankedExecutor):
         return self._output(replies[-1])
 
     def shutdown(self) -> None:
+        self._close_grammars()
         for a in getattr(self, "actors", []):
             try:
                 self.ray.kill(a)

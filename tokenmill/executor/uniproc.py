@@ -17,3 +17,6 @@ class UniProcExecutor(Executor):
 
     def prepare_grammar(self, spec):
         return self.worker.prepare_grammar(spec)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()

@@ -23,6 +23,9 @@ class LogitsProcessor:
         coming call): work that depends only on tokens already accepted can start here and
         overlap the forward."""
 
+    def close(self) -> None:
+        """Release what the processor holds (threads); called once, when the runner stops."""
+
 
 class LogitBias(LogitsProcessor):
     def __call__(self, logits, states):
@@ -85,6 +88,11 @@ class GrammarMask(LogitsProcessor):
         if self._masks is None and all(g is None for g in grammars):
             return
         self._bitmasks(logits.shape[-1]).apply(logits, grammars)
+
+    def close(self) -> None:
+        if self._masks is not None:
+            self._masks.close()  # its fill thread
+            self._masks = None
 
     def _bitmasks(self, vocab_size: int):
         if self._masks is None:

@@ -65,6 +65,10 @@ class Sampler:
         self.generator = generator  # for requests without a seed
         self.processors = list(default_processors() if processors is None else processors)
 
+    def close(self) -> None:
+        for processor in self.processors:
+            processor.close()
+
     def prepare(self, states: list[RequestState]) -> None:
         """Before the forward of a step that will sample `states`: lets the processors start
         work that needs no logits (a grammar's bitmask) so it overlaps the forward."""

@@ -164,6 +164,13 @@ class Worker:
             self._grammar_compiler = make_grammar_compiler(self.config, self.source, self.model_config)
         return self._grammar_compiler.submit(spec)
 
+    def shutdown(self) -> None:
+        """Stops the threads the worker started: grammar compilation and the masks' filling."""
+        self.runner.sampler.close()
+        if self._grammar_compiler is not None:
+            self._grammar_compiler.shutdown()
+            self._grammar_compiler = None
+
     @property
     def local_kv_heads(self) -> int:
         """KV heads in this rank's cache (all of them without tensor parallelism)."""
