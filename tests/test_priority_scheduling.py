@@ -14,6 +14,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import RequestStatus
 from tokenmill.core.request_queue import priority_key
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import ModelRunnerOutput
 from tokenmill.errors import ConfigError, InvalidRequestError
 from tokenmill.worker.request_state import RequestStates
 
@@ -93,6 +94,68 @@ def test_every_victim_is_the_lowest_ranked_running_request(seed):
     while sched.has_work():
         run_step(sched, rng, states)
     assert victims > 0 and sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_prefix_hits_read_only_kv_a_step_wrote(seed):
+    """Shared prefixes on a small pool under priority preemption. A step writes the K/V of the
+    tokens it schedules; every prefix-cache hit must land on blocks holding exactly that context.
+    Half the arrivals continue another request's text so far, as a chat's next turn does. (A
+    victim whose part of a step is undone had its blocks registered as full at scheduling: they
+    must leave the cache, not serve a later hit with K/V nobody wrote.)"""
+    rng = random.Random(seed)
+    sched = sched_with(num_blocks=rng.choice([24, 40]), max_num_seqs=rng.choice([6, 10]),
+                       budget=rng.choice([8, 16, 32]))
+    written: dict[int, list] = {}  # block id -> per slot, the context (tokens up to it) written there
+    prefixes = [[rng.randrange(1000) for _ in range(3 * BS)] for _ in range(rng.choice([2, 8, 40]))]
+    hits = 0
+    for step in range(400):
+        if step < 300 and rng.random() < 0.5:
+            prefix = rng.choice(prefixes)
+            if sched.requests and rng.random() < 0.5:  # a follow-up turn: another request's text so far
+                prefix = rng.choice(list(sched.requests.values())).all_token_ids[:31]
+            r = make_req(step, rng.randint(len(prefix) + 1, 32), rng.randint(1, 30), rng, prefix=prefix)
+            r.priority, r.arrival_time = rng.randint(0, 4), step / 4
+            sched.add_request(r)
+        if not sched.has_work():
+            continue
+        out = sched.schedule()
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            req = sched.requests[rid]
+            ids = sched.kv.block_ids(req)
+            for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
+                written.setdefault(ids[pos // BS], [None] * BS)[pos % BS] = tuple(req.all_token_ids[:pos + 1])
+            if req.num_computed_tokens + n == req.num_tokens:
+                sampled[rid] = [rng.randrange(1000)]
+        # the step writes before it reads: a hit may be on a block another request fills in this step
+        admitted = [(c.req_id, c.new_block_ids, c.num_computed_tokens) for c in out.scheduled_cached_reqs
+                    if c.resumed_from_preemption]
+        for rid, block_ids, num_hit in [(n.req_id, n.block_ids, n.num_computed_tokens)
+                                        for n in out.scheduled_new_reqs] + admitted:
+            tokens = sched.requests[rid].all_token_ids
+            for pos in range(num_hit):
+                slots = written.get(block_ids[pos // BS])
+                assert slots is not None and slots[pos % BS] == tuple(tokens[:pos + 1]), \
+                    f"step {step}: request {rid} hit unwritten K/V at position {pos}"
+            hits += num_hit // BS
+        sched.update(out, ModelRunnerOutput(sampled_token_ids=sampled))
+    assert hits > 0 and sched.num_preemptions > 0
+
+
+def test_an_undone_step_leaves_no_unwritten_block_in_the_prefix_cache():
+    """allocate_slots registers the blocks a step will fill; when that step's part is undone (a
+    priority victim already scheduled), freeing with what was written takes them out again."""
+    kv = KVCacheManager(8, BS)
+    r = make_req(1, 3 * BS, 4)
+    kv.allocate_slots(r, 3 * BS)  # the step would fill 3 blocks: registered now
+    hashes = r.update_block_hashes(BS)
+    assert all(kv.pool.get_cached_block(h) is not None for h in hashes[:3])
+    kv.free(r, num_written=BS)  # only the first block's K/V was written (an earlier step)
+    assert kv.pool.get_cached_block(hashes[0]) is not None
+    assert kv.pool.get_cached_block(hashes[1]) is None and kv.pool.get_cached_block(hashes[2]) is None
+    assert kv.pool.num_free_blocks == 8
+    kv.pool.check_invariants()
 
 
 def starve(aging: float, low_priority: int = 3, spacing: float = 0.5, steps: int = 400):

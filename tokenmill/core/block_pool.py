@@ -87,6 +87,13 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
+    def uncache(self, blocks) -> None:
+        """Forget what these blocks were registered as (their K/V was never written)."""
+        for block in blocks:
+            if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+
     def reset_prefix_cache(self) -> int:
         """Forget every free cached block (e.g. after new weights). Returns how many."""
         n = 0

@@ -89,9 +89,14 @@ class KVCacheManager:
         del blocks[keep:]
         return keep
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Request, num_written: int | None = None) -> None:
+        """`num_written`: when the request's part of this step is undone after `allocate_slots`
+        registered the blocks that step would fill, the tokens whose K/V is really there. Blocks
+        past them leave the prefix cache: a later hit would read K/V nobody wrote."""
         blocks = self.req_blocks.pop(req.request_id, [])
-        self._num_hashed.pop(req.request_id, None)
+        num_hashed = self._num_hashed.pop(req.request_id, 0)
+        if num_written is not None:
+            self.pool.uncache(blocks[num_written // self.block_size:num_hashed])
         self.pool.free(reversed(blocks))
 
     def block_ids(self, req: Request) -> list[int]:

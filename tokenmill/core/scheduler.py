@@ -152,11 +152,12 @@ class Scheduler:
                         drafts = []
                         continue
                     victim = self._victim(num_tokens)
-                    if victim.request_id in num_tokens:  # undo its part of this step
+                    undone = victim.request_id in num_tokens
+                    if undone:  # undo its part of this step
                         budget += num_tokens.pop(victim.request_id)
                         spec_tokens.pop(victim.request_id, None)
                         cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
-                    self._preempt(victim)
+                    self._preempt(victim, undone)
                     preempted.append(victim.request_id)
                     if victim is req:
                         break
@@ -239,9 +240,10 @@ class Scheduler:
         self.finished_req_ids.append(req.request_id)  # the runner may hold its state
         self.failed[req.request_id] = f"{type(error).__name__}: {error}"
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, undone: bool = False) -> None:
+        """`undone`: its part of this step was scheduled, then taken back (it will not be written)."""
         self.running.remove(req)
-        self.kv.free(req)
+        self.kv.free(req, req.num_computed_tokens if undone else None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
