@@ -49,14 +49,48 @@ def _mixed_requests(n=64):
     return prompts, params
 
 
+# fp32 logprobs move by up to ~1.5e-5 with the batch a request shares steps with (which requests
+# arrived before a step, where a prefill chunk ends, prefix-cache hits): the GEMMs' and attention's
+# sums run in another order. The multiprocess core receives requests over ZMQ while it steps, so its
+# batches differ from the in-process run's. Tokens, ranks and top-N ids must still be equal.
+LOGPROB_TOL = 1e-4
+
+
 def _summary(outputs):
     rows = []
     for o in outputs:
         for c in o.outputs:
-            # logprobs left out: under load they came out different between the two cores (tokens
-            # equal), a bug being chased (issue 9 note); the tokens and text must match exactly
             rows.append((o.request_id, c.index, c.text, c.token_ids, c.finish_reason))
     return rows
+
+
+def _logprobs(outputs):
+    return [(o.request_id, [c.logprobs for c in o.outputs], [c.cumulative_logprob for c in o.outputs],
+             o.prompt_logprobs) for o in outputs]
+
+
+def assert_positions_close(a, b, what: str, tol: float = LOGPROB_TOL) -> None:
+    """Lists of {token id: Logprob} (None where a position has none): the same ids and ranks, values
+    within `tol`."""
+    assert (a is None) == (b is None) and len(a or ()) == len(b or ()), what
+    for j, (x, y) in enumerate(zip(a or (), b or ())):
+        assert (x is None) == (y is None), f"{what}, position {j}"
+        if x is None:
+            continue
+        assert x.keys() == y.keys(), f"{what}, position {j}: {x} != {y}"
+        for t in x:
+            assert x[t].rank == y[t].rank and abs(x[t].logprob - y[t].logprob) <= tol, \
+                f"{what}, position {j}, token {t}: {x[t]} != {y[t]}"
+
+
+def assert_logprobs_close(a, b) -> None:
+    """`_logprobs` of two runs of the same requests."""
+    for (rid, lps_a, cum_a, prompt_a), (_, lps_b, cum_b, prompt_b) in zip(a, b):
+        for i, (x, y) in enumerate(zip(lps_a, lps_b)):
+            assert_positions_close(x, y, f"request {rid} sample {i} logprobs")
+        for x, y in zip(cum_a, cum_b):
+            assert (x is None) == (y is None) and (x is None or abs(x - y) <= 32 * LOGPROB_TOL), rid
+        assert_positions_close(prompt_a, prompt_b, f"request {rid} prompt logprobs")
 
 
 def test_multiprocess_core_matches_in_process():
@@ -75,7 +109,7 @@ def compare_in_and_out_of_process():
         llm = LLM(engine_core_process=multiprocess, **ENGINE)
         assert llm.engine.core_client.runs_in_process is not multiprocess
         outs = llm.generate(prompts, params, use_tqdm=False)
-        results[multiprocess] = _summary(outs), [len(o.prompt_logprobs or []) for o in outs]
+        results[multiprocess] = _summary(outs), _logprobs(outs)
         if multiprocess:
             proc = llm.engine.core_client.proc
             assert proc.is_alive()
@@ -87,7 +121,7 @@ def compare_in_and_out_of_process():
     assert len(in_proc[0]) == 64 + 64 // 6 + 1  # the n=2 requests give two completions each
     for a, b in zip(in_proc[0], multi[0]):
         assert a == b, f"request {a[0]} differs"
-    assert in_proc[1] == multi[1]
+    assert_logprobs_close(in_proc[1], multi[1])
 
 
 def _core_pid(server: ServerProcess) -> int:
