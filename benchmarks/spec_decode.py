@@ -1,11 +1,16 @@
-"""Speculative decoding side by side with no speculation, same engine settings, same run.
+"""Speculative decoding side by side with no speculation: same engine settings, same run, interleaved.
 
-Workload: input-grounded code edits (benchmarks/code_edit_dataset.py), greedy. One stream
-(requests one after another) and a concurrency point (all requests at once). Prints one JSON
-line per configuration: output tok/s and acceptance.
+Workload: input-grounded code edits (benchmarks/code_edit_dataset.py: a source file of tokenmill,
+asked back with docstrings added), greedy, EOS ignored. Every configuration's engine is loaded
+first; then at each concurrency the configurations take turns (one stream: request by request;
+concurrency c: c different prompts at once, a round each), so that a change of machine load hits
+all of them alike. Prefix caching is off: the same prompts come back at each point. Prints one JSON
+line per (configuration, concurrency): output tok/s (end to end, prefill included), decode tok/s
+per stream (1 / TPOT), acceptance, and the start of the first output.
 
+    cpu-lock bench .venv/bin/python benchmarks/spec_decode.py --concurrency 1,16,64
     cpu-lock bench .venv/bin/python benchmarks/spec_decode.py --model qwen2.5-coder-1.5b \\
-        --draft qwen2.5-coder-0.5b --concurrency 16
+        --draft qwen2.5-coder-0.5b --configs none,draft,ngram --concurrency 1,4
 """
 
 from __future__ import annotations
@@ -13,70 +18,101 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
+import os
 import time
 
 from code_edit_dataset import FILES, ROOT, TASK
 
-from tokenmill import LLM
-from tokenmill.bench.datasets import BenchRequest
-from tokenmill.bench.throughput import run_throughput
+from tokenmill import LLM, SamplingParams
+from tokenmill.bench.throughput import _spec_delta
 
 
-def workload(n: int, output_len: int, max_chars: int) -> list[BenchRequest]:
-    prompts = [TASK.format(code=(ROOT / FILES[i % len(FILES)]).read_text()[:max_chars]) for i in range(n)]
-    return [BenchRequest(p, 0, output_len) for p in prompts]
+def prompts(n: int, max_chars: int) -> list[str]:
+    """n different prompts: file i % 8, starting (i // 8) * 7 lines further down each round."""
+    out = []
+    for i in range(n):
+        lines = (ROOT / FILES[i % len(FILES)]).read_text().splitlines(keepends=True)
+        out.append(TASK.format(code="".join(lines[(i // len(FILES)) * 7:])[:max_chars]))
+    return out
 
 
-def one_stream(llm, requests) -> dict:
-    total = {"elapsed_s": 0.0, "output_tokens": 0}
-    spec = []
-    for r in requests:
-        res = run_throughput(llm, [r], use_tqdm=False, temperature=0.0)
-        total["elapsed_s"] += res["elapsed_s"]
-        total["output_tokens"] += res["output_tokens"]
-        spec.append(res)
-    total["output_tokens_per_s"] = total["output_tokens"] / total["elapsed_s"]
-    if "spec_num_draft_tokens" in spec[0]:
-        drafted = sum(s["spec_num_draft_tokens"] for s in spec)
-        accepted = sum(s["spec_num_accepted_tokens"] for s in spec)
-        drafts = sum(s["spec_num_drafts"] for s in spec)
-        total["spec_acceptance_rate"] = accepted / drafted if drafted else 0.0
-        total["spec_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
-    return total
+def run(llm, batch: list[str], output_len: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    before = llm.engine.core.stats().spec_decoding
+    t0 = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    decode = [(o.metrics.last_token_time - o.metrics.first_token_time, len(o.outputs[0].token_ids) - 1)
+              for o in outs]
+    return {"sample": outs[0].outputs[0].text[:120], "elapsed_s": elapsed, "output_tokens": n_out,
+            "decode_s": sum(d for d, _ in decode),
+            "decode_tokens": sum(n for _, n in decode), **_spec_delta(before, llm.engine.core.stats().spec_decoding)}
+
+
+def total(parts: list[dict]) -> dict:
+    s = {k: sum(p.get(k, 0) for p in parts) for k in ("elapsed_s", "output_tokens", "decode_s", "decode_tokens",
+                                                      "spec_num_drafts", "spec_num_draft_tokens",
+                                                      "spec_num_accepted_tokens")}
+    row = {"output_tokens_per_s": round(s["output_tokens"] / s["elapsed_s"], 2),
+           "decode_tokens_per_s_per_stream": round(s["decode_tokens"] / s["decode_s"], 2),
+           "elapsed_s": round(s["elapsed_s"], 2), "output_tokens": s["output_tokens"], "sample": parts[0]["sample"]}
+    if s["spec_num_drafts"]:
+        row["spec_acceptance_rate"] = round(s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"], 3)
+        row["spec_mean_acceptance_length"] = round(1 + s["spec_num_accepted_tokens"] / s["spec_num_drafts"], 2)
+    return row
+
+
+def cpu_model() -> str:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "?"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
-    ap.add_argument("--draft", default=None, help="a draft model (also runs the draft-model configuration)")
+    ap.add_argument("--draft", default=None, help="the draft model of the draft configuration")
+    ap.add_argument("--configs", default=None, help="comma list of none, ngram, draft (default: none,ngram[,draft])")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--streams", type=int, default=2, help="requests of the one-stream point")
-    ap.add_argument("--concurrency", default="16", help="comma list; 0: none")
+    ap.add_argument("--streams", type=int, default=2, help="requests of the one-stream point (concurrency 1)")
+    ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-chars", type=int, default=2000)
+    ap.add_argument("--kv-cache-memory", default="2GiB")
     args = ap.parse_args()
-    configs = {"none": None,
-               "ngram": json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-                                    "prompt_lookup_min": 2})}
-    if args.draft:
-        configs["draft"] = json.dumps({"model": args.draft, "num_speculative_tokens": args.k})
-    print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": platform.processor(),
-                      "load": open("/proc/loadavg").read().split()[:3]}))
-    levels = [int(c) for c in args.concurrency.split(",") if int(c) > 0]
-    for name, spec in configs.items():
-        llm = LLM(model=args.model, dtype=args.dtype, speculative_config=spec, kv_cache_memory="2GiB",
-                  max_model_len=2048, progress=False)
-        run_throughput(llm, workload(1, 8, args.max_chars), use_tqdm=False, temperature=0.0)  # warm-up
-        row = {"config": name, "one_stream": one_stream(llm, workload(args.streams, args.output_len, args.max_chars))}
-        for c in levels if name != "draft" else []:
-            res = run_throughput(llm, workload(c, args.output_len, args.max_chars), use_tqdm=False, temperature=0.0)
-            row[f"concurrency_{c}"] = {k: v for k, v in res.items() if k in (
-                "output_tokens_per_s", "elapsed_s", "spec_acceptance_rate", "spec_mean_acceptance_length")}
-        print(json.dumps(row), flush=True)
-        del llm
-        gc.collect()
+    specs = {"none": None,
+             "ngram": json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+                                  "prompt_lookup_min": 2}),
+             "draft": json.dumps({"model": args.draft, "num_speculative_tokens": args.k})}
+    names = (args.configs or ("none,ngram,draft" if args.draft else "none,ngram")).split(",")
+    print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
+                      "load_before": open("/proc/loadavg").read().split()[:3], "model": args.model or "smollm2-135m",
+                      "draft": args.draft, "k": args.k, "output_len": args.output_len,
+                      "threads": os.environ.get("OMP_NUM_THREADS", "all")}), flush=True)
+    llms = {}
+    for name in names:
+        llms[name] = LLM(model=args.model, dtype=args.dtype, speculative_config=specs[name],
+                         kv_cache_memory=args.kv_cache_memory, max_model_len=2048,
+                         enable_prefix_caching=False, progress=False)
+        run(llms[name], prompts(2, args.max_chars), 8)  # warm-up
+    for c in (int(x) for x in args.concurrency.split(",")):
+        parts = {name: [] for name in names}
+        batches = [[p] for p in prompts(args.streams, args.max_chars)] if c == 1 else [prompts(c, args.max_chars)]
+        for batch in batches:
+            for name in names:
+                parts[name].append(run(llms[name], batch, args.output_len))
+        base = total(parts["none"])["output_tokens_per_s"] if "none" in parts else None
+        for name in names:
+            row = {"config": name, "concurrency": c, **total(parts[name])}
+            if base:
+                row["vs_none"] = round(row["output_tokens_per_s"] / base, 3)
+            print(json.dumps(row), flush=True)
+    print(json.dumps({"load_after": open("/proc/loadavg").read().split()[:3]}))
+    del llms
+    gc.collect()
 
 
 if __name__ == "__main__":

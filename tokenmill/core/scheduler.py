@@ -129,8 +129,11 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         speculate = (self.spec_disable_by_batch_size is None
                      or len(self.running) <= self.spec_disable_by_batch_size)
-        if speculate and self.spec_policy is not None and any(r.spec_token_ids for r in self.running):
-            speculate = self.spec_policy.speculate(len(self.running))
+        # drafts present were asked for by the policy last step (or are a seeded request's): verify them;
+        # whether to draft for the next step is decided now, so that a step without speculation drafts nothing
+        propose = speculate
+        if speculate and self.spec_policy is not None and self.running:
+            propose = self.spec_policy.speculate(len(self.running))
 
         # 1. running: decodes before chunks of unfinished prefills, each group in admission order
         #    (by rank under the priority policy)
@@ -203,7 +206,7 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, []
         kept, self.num_kept_blocks = self.num_kept_blocks, {}
         return SchedulerOutput(new_reqs, cached_reqs, num_tokens, self.max_num_batched_tokens - budget,
-                               preempted, finished, spec_tokens, kept)
+                               preempted, finished, spec_tokens, kept, propose)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The request's drafts that fit this step: after its one known token, within the budget,

@@ -48,6 +48,9 @@ class SchedulerOutput(msgspec.Struct):
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
     # request id -> length its block table is cut to (blocks past the accepted tokens were freed)
     num_kept_blocks: dict[str, int] = {}
+    # whether the runner drafts for the next step after this one (the speculation policy decides a
+    # step ahead, so a step it runs without speculation pays no proposer; seeded requests always draft)
+    propose_drafts: bool = True
 
     @property
     def is_empty(self) -> bool:

@@ -6,6 +6,8 @@ of output tokens per second over decode-only steps with speculation and without;
 its average is higher. Unmeasured choices are tried first, and one step in `explore_every` takes
 the other choice so that both estimates follow the workload (costs at most 1/explore_every of the
 difference). Steps with prefill chunks are not measured (their time is mostly the prefill).
+The scheduler asks a step ahead (the runner drafts after sampling, for the next step), so a step
+run without speculation pays no proposer either: with a draft model that is most of the cost.
 """
 
 from __future__ import annotations

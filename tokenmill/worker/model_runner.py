@@ -103,7 +103,8 @@ class ModelRunner:
             if state.params.prompt_logprobs is not None:
                 self._prompt_logprobs(state, n, hidden, int(ends[i]) - n, out)
         if self.proposer is not None:
-            self._propose([batch[i][0] for i in rows + verify], out)
+            self._propose([batch[i][0] for i in rows + verify
+                           if sched.propose_drafts or batch[i][0].params.seed is not None], out)
         return out
 
     def _forward(self, batch: list[tuple[RequestState, int, list[int]]]) -> torch.Tensor | None:

