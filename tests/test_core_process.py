@@ -93,6 +93,7 @@ def assert_logprobs_close(a, b) -> None:
         assert_positions_close(prompt_a, prompt_b, f"request {rid} prompt logprobs")
 
 
+@pytest.mark.slow
 def test_multiprocess_core_matches_in_process():
     # in a fresh interpreter: after some other tests in the same pytest process the in-process
     # engine's logprobs came out different (tokens equal), a leak between tests not yet found
