@@ -51,5 +51,5 @@ def verify_row_invariance(model: torch.nn.Module, tile: int = ROW_TILE) -> None:
                 raise ConfigError(
                     f"batch_invariant is not available on this CPU: the {dtype} GEMM of {name} "
                     f"({module.in_features}x{module.out_features}) gives a row a different result among {m} "
-                    f"rows than alone (oneDNN picks another kernel). Run without --batch-invariant, or in "
-                    f"float32.", param="batch_invariant")
+                    f"rows than alone (oneDNN picks another kernel). Run without --batch-invariant"
+                    f"{'' if dtype == torch.float32 else ', or in float32'}.", param="batch_invariant")

@@ -11,7 +11,7 @@ from torch import nn
 from tokenmill.errors import ConfigError
 from tokenmill.model.layers.linear import UnquantizedLinearMethod, shard_rows_loader
 from tokenmill.model.layers.quantization.base import LinearMethod, QuantConfig
-from tokenmill.model.layers.quantization.formats import FORMATS, quantize_i8_row, quantize_q4_groups
+from tokenmill.model.layers.quantization.formats import BY_ID, FORMATS, quantize_i8_row, quantize_q4_groups
 from tokenmill.model.layers.quantization.packed import PackedLinearMethod
 
 
@@ -54,8 +54,8 @@ class QuantizeAtLoadMethod(PackedLinearMethod):
         block = FORMATS["I4_G128"].block if self.qtypes[0] == FORMATS["I4_G128"].id else 32
         if in_features % block:
             raise ConfigError(f"{layer.__class__.__name__} with input size {in_features}: not a multiple of "
-                              f"{block}, which {self.qtypes[0]} quantization needs; use another --quant-group-size "
-                              f"or --quantization none")
+                              f"{block}, which {BY_ID[self.qtypes[0]].name} quantization needs; use another "
+                              f"--quant-group-size or --quantization none", param="quant_group_size")
         layer.weight = nn.Parameter(torch.empty(sum(shard_sizes), in_features, dtype=torch.float32, device=device),
                                     requires_grad=False)
         layer.weight.weight_loader = shard_rows_loader(layer)
