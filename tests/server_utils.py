@@ -18,9 +18,6 @@ class ServerProcess(_ServerProcess):
     def __init__(self, *args: str, env: dict | None = None, port: int | None = None):
         super().__init__(*SMALL, *args, env=env, port=port)
 
-    def wait_ready(self, timeout: float = 180.0) -> ServerProcess:
-        return super().wait_ready(timeout)
-
     def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
         """Poll /metrics until nothing runs and the KV cache is empty (fails after `timeout`)."""
         deadline = time.monotonic() + timeout

@@ -54,6 +54,10 @@ class ModelRunner:
         # fault injection for testing the engine's error handling (TOKENMILL_DEBUG_FAIL_ON_TOKEN)
         self.fail_on_token = fail_on_token
 
+    def close(self) -> None:
+        """Stop the threads the sampler's processors started (a grammar's mask filling)."""
+        self.sampler.close()
+
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                           storage: torch.dtype | None = None) -> None:
         self.kv_cache = allocate_kv_cache(self.model, num_blocks, self.block_size, num_kv_heads, head_dim, dtype,

@@ -166,7 +166,7 @@ class Worker:
 
     def shutdown(self) -> None:
         """Stops the threads the worker started: grammar compilation and the masks' filling."""
-        self.runner.sampler.close()
+        self.runner.close()
         if self._grammar_compiler is not None:
             self._grammar_compiler.shutdown()
             self._grammar_compiler = None
