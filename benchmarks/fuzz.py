@@ -57,7 +57,8 @@ def run_schemathesis(url: str, max_examples: int, api_key: str | None = None, se
     if api_key:
         cmd += ["-H", f"Authorization: Bearer {api_key}"]
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "benchmarks.fuzz_hooks", "PYTHONPATH": str(ROOT),
-           "TOKENMILL_FUZZ_MAX_MODEL_LEN": str(max_model_len)}
+           "TOKENMILL_FUZZ_MAX_MODEL_LEN": str(max_model_len), "TOKENMILL_FUZZ_URL": url,
+           "TOKENMILL_FUZZ_API_KEY": api_key or ""}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     report = proc.stdout + proc.stderr
     cases = 0

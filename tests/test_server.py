@@ -50,6 +50,16 @@ def test_models_version_tokenize_detokenize(server, client):
     assert post(server, "/detokenize", {"tokens": toks["tokens"]}).json()["prompt"] == "Hello world"
     chat = post(server, "/tokenize", {"messages": CHAT}).json()
     assert chat["count"] > toks["count"]
+    # /tokenize renders messages exactly as a chat request does: developer as system, tool calls, tools
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                    "name": "weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    for extra in ({}, {"tools": tools}):
+        counted = post(server, "/tokenize", {"messages": messages, **extra}).json()["count"]
+        used = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, **extra}).json()
+        assert counted == used["usage"]["prompt_tokens"], extra
 
 
 def test_completion_text_and_token_prompts(client):

@@ -174,8 +174,10 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests not yet admitted to a batch (read from the event loop; approximate by design)."""
-        return self.engine.num_waiting() + self._inbox.qsize()
+        """Sequences not yet admitted to a batch (read from the event loop): the core's waiting queue
+        at its last step plus those submitted since, which a core in another process has not
+        reported yet (its stats alone lag, and a burst would all pass a queue-length check)."""
+        return self.load().num_waiting
 
     # --- requests ---------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,

@@ -41,6 +41,7 @@ from tokenmill.entrypoints.openai.protocol import (
 )
 from tokenmill.entrypoints.openai.serving_chat import ChatServing
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
+from tokenmill.entrypoints.openai.tools import parse_tools
 from tokenmill.entrypoints.openai.wire import SafeJSONResponse, StrictJSONRoute
 from tokenmill.errors import InvalidRequestError, ServiceUnavailableError, describe_error
 
@@ -210,8 +211,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
-            text = engine.render_chat([m.model_dump(exclude_none=True) for m in body.messages],
-                                      body.add_generation_prompt)
+            tools = parse_tools(body.tools, None, None)
+            text = state.chat.render(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
             add_special = False
         else:
             text, add_special = body.prompt, body.add_special_tokens

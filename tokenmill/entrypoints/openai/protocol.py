@@ -94,8 +94,8 @@ class SamplingFields(OpenAIModel):
     top_k: Int | None = Field(None, ge=-1, description="0 or -1: all tokens.")
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    ignore_eos: bool = False
-    min_tokens: Int = Field(0, ge=0, description="At most max_tokens.")
+    ignore_eos: bool = Field(False, description="Not with a structured output (its grammar decides the end).")
+    min_tokens: Int = Field(0, ge=0, description="At most max_tokens; not with a structured output.")
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -238,6 +238,8 @@ class TokenizeRequest(OpenAIModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = Field(None, description="With messages: rendered as a chat request would.")
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class DetokenizeRequest(OpenAIModel):

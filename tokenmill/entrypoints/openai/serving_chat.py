@@ -25,13 +25,21 @@ from tokenmill.outputs import RequestOutput
 class ChatServing(ServingBase):
     id_prefix = "chatcmpl"
 
-    def prepare(self, req: ChatCompletionRequest) -> tuple[str, object, ToolRequest | None]:
-        """The prompt, the sampling params, and the tools whose calls are parsed out of the output."""
-        self.admit(req.model)
-        reserved = sorted(set(req.chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
+    def render(self, messages: list, add_generation_prompt: bool, tools: ToolRequest | None,
+               chat_template_kwargs: dict | None) -> str:
+        """The prompt text the chat template makes of these messages (what /tokenize counts, too)."""
+        reserved = sorted(set(chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}",
                                       param="chat_template_kwargs")
+        dicts = [{**m.model_dump(exclude_none=True), "role": "system" if m.role == "developer" else m.role}
+                 for m in messages]
+        dicts, tool_kwargs = prepare_messages(dicts, tools, template_supports_tools(self.engine.chat_template))
+        return self.engine.render_chat(dicts, add_generation_prompt, **{**(chat_template_kwargs or {}), **tool_kwargs})
+
+    def prepare(self, req: ChatCompletionRequest) -> tuple[str, object, ToolRequest | None]:
+        """The prompt, the sampling params, and the tools whose calls are parsed out of the output."""
+        self.admit(req.model)
         check_choices(req.n)
         top = req.top_logprobs
         if top is not None and not req.logprobs:
@@ -46,11 +54,7 @@ class ChatServing(ServingBase):
                                           "response_format or structured_outputs", param="tool_choice")
             else:  # the client's own format wins; no call can be made
                 tools = None
-        messages = [{**m.model_dump(exclude_none=True), "role": "system" if m.role == "developer" else m.role}
-                    for m in req.messages]
-        messages, tool_kwargs = prepare_messages(messages, tools, template_supports_tools(self.engine.chat_template))
-        prompt = self.engine.render_chat(messages, req.add_generation_prompt,
-                                         **{**(req.chat_template_kwargs or {}), **tool_kwargs})
+        prompt = self.render(req.messages, req.add_generation_prompt, tools, req.chat_template_kwargs)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         for name in ("max_tokens", "max_completion_tokens"):  # both are checked, even the one not used
             value = getattr(req, name)
