@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import ConfigError
-from tokenmill.model.quant_kernels import quant_kernels_available, quant_ops, supported_variants
+from tokenmill.model.quant_kernels import quant_kernels_available, quant_kv_ops, supported_variants
 
 pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ toolchain")
 STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
@@ -20,7 +20,7 @@ STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_cache_write_and_decode(variant, kind, dtype):
     torch.manual_seed(0)
-    ops = quant_ops(variant)
+    ops = quant_kv_ops(variant)
     nb, bs, hkv, heads, d, lens = 32, 16, 2, 6, 64, [1, 7, 33, 120]
     data = torch.zeros(2, nb, bs, hkv, d, dtype=STORAGE[kind])
     scale = torch.zeros(2, nb, bs, hkv)

@@ -43,6 +43,7 @@ class EngineCore:
                                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec.enabled else None,
                                    spec_policy=SpecPolicy() if spec.enabled and spec.adaptive else None)
         self.num_steps = 0
+        self._draft_seconds = 0.0  # the last step's drafting, for the step that verifies it
         faults.install_core(self)  # test-only switches; nothing when unset
 
     @staticmethod
@@ -106,8 +107,11 @@ class EngineCore:
         outputs = self.scheduler.update(sched, result)
         policy = self.scheduler.spec_policy
         spec = sched.scheduled_spec_decode_tokens
-        if policy is not None and all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
-            num_out = sum(len(o.new_token_ids) for o in outputs)
-            policy.observe(num_running, bool(spec), time.perf_counter() - t0, num_out)
+        if policy is not None:
+            # a step's drafting is for the next step: charge it to the step that verifies the drafts
+            elapsed = time.perf_counter() - t0 - result.draft_seconds + (self._draft_seconds if spec else 0.0)
+            self._draft_seconds = result.draft_seconds
+            if all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
+                policy.observe(num_running, bool(spec), elapsed, sum(len(o.new_token_ids) for o in outputs))
         self._drop_finished_if_idle()
         return EngineCoreOutputs(outputs, time.monotonic(), self.stats(), failed=errors)

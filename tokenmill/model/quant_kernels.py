@@ -1,7 +1,8 @@
 """tokenmill's quantized-weight and quantized-KV kernels, one library per ISA variant, picked at run time.
 
 The same sources (csrc/quant_*.cpp) are compiled once per variant with that variant's compiler
-flags, each registering its ops under its own namespace (`torch.ops.tokenmill_q_avx2` ...). At run
+flags, each registering its ops under its own namespace (`torch.ops.tokenmill_q_avx2`, and
+`tokenmill_qkv_avx2` for the KV-cache kernels ...). At run
 time `quant_ops()` loads the variant of `utils.cpu.active_isa()` (the hardware's level, capped by
 TOKENMILL_CPU_ISA), so one installation runs the fastest correct code on an AVX2 laptop, an AMD
 EPYC with AVX-512 + VNNI and an AMX Xeon alike; tests load every variant the machine can run.
@@ -22,7 +23,11 @@ from tokenmill.utils.cpu import ISA_LEVELS, active_isa, hardware_isa
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = [_CSRC / "quant_gemm.cpp", _CSRC / "quant_kv.cpp"]
+# two libraries: the weight kernels, and the KV-cache ones, which are built only when a quantized
+# KV cache asks for them (a cold start builds what it uses)
+LIBRARIES = {"quant": ([_CSRC / "quant_gemm.cpp"], "tokenmill_q"),
+             "quant_kv": ([_CSRC / "quant_kv.cpp"], "tokenmill_qkv")}
+SOURCES = [src for sources, _ in LIBRARIES.values() for src in sources]
 HEADERS = (_CSRC / "quant_blocks.h", _CSRC / "quant_x8.h")
 # variant -> compiler flags; the ISA level each variant needs
 VARIANT_FLAGS = {
@@ -48,39 +53,50 @@ def supported_variants() -> list[str]:
     return sorted({_LEVEL_VARIANT[lv] for lv in ISA_LEVELS[:hw + 1]}, key=list(VARIANT_FLAGS).index)
 
 
-def quant_ops(variant: str | None = None):
-    """The op namespace of a variant (default: the active ISA's), building it on first use.
-    Raises RuntimeError when it cannot be built (no compiler)."""
+def _library(kind: str, variant: str | None):
     from tokenmill.model.kernels import build_error_line, build_library
 
     variant = variant or variant_for(active_isa())
+    sources, prefix = LIBRARIES[kind]
+    ns = f"{prefix}_{variant}"
     with _lock:
-        if variant not in _loaded:
-            ns = f"tokenmill_q_{variant}"
+        if ns not in _loaded:
             flags = ["-O3", "-fopenmp", f"-DTM_QUANT_NS={ns}", *VARIANT_FLAGS[variant]]
             try:
-                torch.ops.load_library(str(build_library(f"tokenmill_quant_{variant}", SOURCES, flags, HEADERS)))
+                torch.ops.load_library(str(build_library(f"tokenmill_{kind}_{variant}", sources, flags, HEADERS,
+                                                         unity=False)))
             except Exception as e:
-                raise RuntimeError(f"tokenmill's quantized kernels ({variant}) could not be built: "
+                raise RuntimeError(f"tokenmill's quantized kernels ({kind}, {variant}) could not be built: "
                                    f"{type(e).__name__}: {build_error_line(e)}") from e
-            _loaded[variant] = getattr(torch.ops, ns)
-        return _loaded[variant]
+            _loaded[ns] = getattr(torch.ops, ns)
+        return _loaded[ns]
 
 
-def start_build() -> None:
-    """Build (or load) the active variant on a thread now, to overlap the model's loading."""
+def quant_ops(variant: str | None = None):
+    """The weight kernels' op namespace of a variant (default: the active ISA's), built on first
+    use. Raises RuntimeError when it cannot be built (no compiler)."""
+    return _library("quant", variant)
+
+
+def quant_kv_ops(variant: str | None = None):
+    """The quantized KV cache's kernels (write, paged decode attention), like quant_ops()."""
+    return _library("quant_kv", variant)
+
+
+def start_build(kind: str = "quant") -> None:
+    """Build (or load) the active variant of a library on a thread now, to overlap the model's loading."""
     def build():
         try:
-            quant_ops()
+            _library(kind, None)
         except RuntimeError:
             pass  # said again, and handled, where the kernels are used
 
-    threading.Thread(target=build, name="tokenmill-quant-kernels", daemon=True).start()
+    threading.Thread(target=build, name=f"tokenmill-{kind}-kernels", daemon=True).start()
 
 
-def quant_kernels_available() -> bool:
+def quant_kernels_available(kind: str = "quant") -> bool:
     try:
-        quant_ops()
+        _library(kind, None)
         return True
     except RuntimeError as e:
         logger.warning("%s", e)

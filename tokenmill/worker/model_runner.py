@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import time
 
 import numpy as np
 import torch
@@ -107,8 +108,10 @@ class ModelRunner:
             if state.params.prompt_logprobs is not None:
                 self._prompt_logprobs(state, n, hidden, int(ends[i]) - n, out)
         if self.proposer is not None:
+            t0 = time.perf_counter()
             self._propose([batch[i][0] for i in rows + verify
                            if sched.propose_drafts or batch[i][0].params.seed is not None], out)
+            out.draft_seconds = time.perf_counter() - t0
         return out
 
     def _forward(self, batch: list[tuple[RequestState, int, list[int]]]) -> torch.Tensor | None:

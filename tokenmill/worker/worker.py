@@ -50,20 +50,23 @@ def rss_bytes() -> int:
 class Worker:
     @staticmethod
     def prefetch(config: EngineConfig) -> None:
-        """Start now what is slow and does not need the model: the C++ kernels' builds (~20 s each on
-        a cold machine), which then overlap each other and reading the GGUF, the weights and the
-        tokenizer. The quantized kernels are built unless nothing can use them (a model that turns
-        out not to be quantized wastes one build, once per machine)."""
+        """Start now what is slow and does not need the model: the C++ kernels' builds (10-15 s of
+        one core each on a cold machine), which then overlap each other and reading the GGUF, the
+        weights and the tokenizer. The quantized weight kernels are built unless nothing can use
+        them (a model that turns out not to be quantized wastes one build, once per machine); the
+        quantized KV cache's only for such a cache."""
         if config.model.torch_device.type != "cpu":
             return
         if config.kernel.attention_backend in ("auto", "cpu_paged"):
             from tokenmill.model import kernels
 
             kernels.start_build()
-        if config.quant.quantization != "none" or config.cache.kv_cache_dtype in ("int8", "fp8_e4m3"):
-            from tokenmill.model import quant_kernels
+        from tokenmill.model import quant_kernels
 
-            quant_kernels.start_build()
+        if config.quant.quantization != "none":
+            quant_kernels.start_build("quant")
+        if config.cache.kv_cache_dtype in ("int8", "fp8_e4m3"):
+            quant_kernels.start_build("quant_kv")
 
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True,
                  num_threads: int | None = None):
@@ -106,7 +109,8 @@ class Worker:
                                   grammars=self.prepare_grammar, proposer=self.proposer)
         self._grammar_compiler = None
         self.kv_storage = storage_dtype(config.cache.kv_cache_dtype, self.dtype)
-        if self.kv_storage is not None and (self.backend.name != "cpu_paged" or not quant_kernels_available()):
+        if self.kv_storage is not None and (self.backend.name != "cpu_paged"
+                                            or not quant_kernels_available("quant_kv")):
             raise ConfigError(f"kv_cache_dtype={config.cache.kv_cache_dtype} is read by the cpu_paged backend's "
                               f"kernels; the {self.backend.name} backend cannot read it", param="kv_cache_dtype")
         self.num_blocks = self._num_kv_blocks()

@@ -59,9 +59,9 @@ class CPUPagedBackend(TorchSDPABackend):
 
     def _forward_quantized(self, q, k, v, cache: QuantizedKVCache, meta: SDPAMetadata, scale: float) -> torch.Tensor:
         """As the parent's forward, on a cache in another dtype (quant_kv.py)."""
-        from tokenmill.model.quant_kernels import quant_ops
+        from tokenmill.model.quant_kernels import quant_kv_ops
 
-        ops = quant_ops()
+        ops = quant_kv_ops()
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         if cache.scale.numel():

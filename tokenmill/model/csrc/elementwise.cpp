@@ -2,7 +2,7 @@
 // embedding. Each replaces 6-10 separate PyTorch ops (and their intermediate buffers) with one
 // pass per row, and rounds to the model dtype at the same points as Hugging Face's eager code,
 // so bf16 results stay as close to the reference as the unfused ops were.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -10,7 +10,7 @@
 
 #include <cmath>
 
-namespace {
+namespace tm_elementwise {  // named: the library compiles as one unit (kernels.py)
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = fVec::size();
@@ -168,7 +168,7 @@ void rotary_embedding(at::Tensor q, at::Tensor k, const at::Tensor& cos, const a
   });
 }
 
-}  // namespace
+}  // namespace tm_elementwise
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor(b!) x, Tensor(c!)? residual, Tensor weight, float eps) -> ()");
@@ -177,7 +177,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("rms_norm", &tm_elementwise::rms_norm);
+  m.impl("silu_and_mul", &tm_elementwise::silu_and_mul);
+  m.impl("rotary_embedding", &tm_elementwise::rotary_embedding);
 }

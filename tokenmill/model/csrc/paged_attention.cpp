@@ -3,7 +3,7 @@
 // intra-op thread pool; the G query heads of a kv head share every K/V load. Two passes over the
 // keys (scores, then exp with a vectorized exp) and one over the values.
 // Built at first use by tokenmill/model/kernels.py; the caller is attention/cpu_paged.py.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -12,7 +12,7 @@
 #include <cmath>
 #include <vector>
 
-namespace {
+namespace tm_paged {  // named: the library compiles as one unit (kernels.py)
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = fVec::size();
@@ -222,11 +222,13 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
   }
 }
 
-}  // namespace
+}  // namespace tm_paged
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("paged_decode_attention", &tm_paged::paged_decode_attention);
+}

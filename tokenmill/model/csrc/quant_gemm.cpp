@@ -10,7 +10,9 @@
 // Many rows (prefill): dequantize a slab of W to the activation dtype and hand it to the dense
 // GEMM (oneDNN), whose throughput wins once the weights are reused enough.
 // Compiled once per ISA variant (quant_kernels.py): the SIMD paths below follow the flags.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -2,7 +2,7 @@
 // (absmax / 127, or / 448), written by kv_write_quant and read in place by the paged decode kernel
 // below; the same kernel also reads a bf16 cache under fp32 queries. Caches: data [num_blocks,
 // block_size, Hkv, D] (int8, float8_e4m3fn or bf16), scale [num_blocks, block_size, Hkv] float.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
