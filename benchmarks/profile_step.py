@@ -34,6 +34,23 @@ def timed(obj, name: str, key: str, totals: dict) -> None:
     setattr(obj, name, wrapper)
 
 
+class TimedCall:
+    """Times calls of a callable object (the sampler), passing its other attributes through."""
+
+    def __init__(self, obj, key: str, totals: dict) -> None:
+        self._obj, self._key, self._totals = obj, key, totals
+
+    def __call__(self, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return self._obj(*a, **kw)
+        finally:
+            self._totals[self._key] += time.perf_counter() - t
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -57,7 +74,7 @@ def main() -> None:
     timed(runner.backend, "build_metadata", "attention metadata", totals)
     timed(runner.model, "forward", "model forward", totals)
     timed(runner.model, "compute_logits", "lm head (logits)", totals)
-    timed(runner, "sampler", "sampling", totals)
+    runner.sampler = TimedCall(runner.sampler, "sampling", totals)
     timed(engine.output_processor, "process", "output processing", totals)
 
     steps, t_prefill = 0, time.perf_counter()
