@@ -64,77 +64,21 @@ def test_rotary_in_place_on_strided_qkv(dtype, head_dim):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
 
 
-def _paged_case(dtype, head_dim, heads, kv_heads, block_size, lens, seed=1):
-    torch.manual_seed(seed)
-    max_blocks = -(-max(lens) // block_size)
-    num_blocks = max(64, max_blocks + 8)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [(64, 9, 3, 16), (128, 8, 2, 4), (64, 4, 4, 32)])
+def test_paged_decode_attention_matches_sdpa(dtype, head_dim, heads, kv_heads, block_size):
+    torch.manual_seed(1)
+    num_blocks, lens = 64, [1, 5, 16, 17, 100, 250]
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    max_blocks = -(-max(lens) // block_size)
     tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens])
     q = torch.randn(len(lens), heads, head_dim, dtype=dtype)
-    return q, k_cache, v_cache, tables
-
-
-def _paged(q, k_cache, v_cache, tables, lens, scale=0.125):
     out = torch.empty_like(q)
-    torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.tensor(lens), scale)
-    return out
-
-
-def _check_against_sdpa(out, q, k_cache, v_cache, tables, lens):
-    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125)
     for i, n in enumerate(lens):
         k = k_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
         v = v_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
         ref = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), k, v, scale=0.125, enable_gqa=True)
-        tol = 1e-5 if q.dtype == torch.float32 else 1e-2
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out[i].float(), ref.squeeze(1), atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [(64, 9, 3, 16), (128, 8, 2, 4), (64, 4, 4, 32)])
-def test_paged_decode_attention_matches_sdpa(dtype, head_dim, heads, kv_heads, block_size):
-    lens = [1, 5, 16, 17, 100, 250]
-    q, k_cache, v_cache, tables = _paged_case(dtype, head_dim, heads, kv_heads, block_size, lens)
-    _check_against_sdpa(_paged(q, k_cache, v_cache, tables, lens), q, k_cache, v_cache, tables, lens)
-
-
-# one sequence: its keys are split in chunks over the threads (flash-decoding) and merged; lengths
-# around the chunk size (64) and long ones, GQA ratios 1 to 7 (Qwen2.5-1.5B: 12 / 2, SmolLM2: 9 / 3)
-@pytest.mark.parametrize("dtype", [torch.float16, *DTYPES])
-@pytest.mark.parametrize("head_dim,heads,kv_heads,block_size", [(64, 9, 3, 16), (128, 12, 2, 16), (128, 7, 1, 8),
-                                                                (64, 2, 2, 32), (128, 16, 4, 1)])
-@pytest.mark.parametrize("length", [1, 63, 64, 65, 129, 512, 1000])
-def test_paged_decode_attention_one_sequence(dtype, head_dim, heads, kv_heads, block_size, length):
-    q, k_cache, v_cache, tables = _paged_case(dtype, head_dim, heads, kv_heads, block_size, [length], seed=length)
-    out = _paged(q, k_cache, v_cache, tables, [length])
-    if dtype == torch.float16:  # SDPA reference in fp32 of the same fp16 inputs
-        torch.testing.assert_close(out.float(), _paged(q.float(), k_cache.float(), v_cache.float(), tables, [length]),
-                                   atol=2e-3, rtol=2e-3)
-    else:
-        _check_against_sdpa(out, q, k_cache, v_cache, tables, [length])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_paged_decode_attention_rows_invariant_to_batch_and_threads(dtype):
-    """A row's result depends on its own sequence only: not on the other rows, nor the thread count."""
-    lens = [700, 1, 64, 300, 65]
-    q, k_cache, v_cache, tables = _paged_case(dtype, 128, 12, 2, 16, lens)
-    batched = _paged(q, k_cache, v_cache, tables, lens)
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            for i, length in enumerate(lens):
-                alone = _paged(q[i:i + 1].contiguous(), k_cache, v_cache, tables[i:i + 1], [length])
-                assert torch.equal(alone[0], batched[i])
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_paged_decode_attention_empty_sequence_and_bad_length():
-    q, k_cache, v_cache, tables = _paged_case(torch.float32, 64, 4, 2, 16, [0, 20])
-    out = _paged(q, k_cache, v_cache, tables, [0, 20])
-    assert torch.equal(out[0], torch.zeros_like(out[0]))
-    with pytest.raises(RuntimeError, match="does not fit its block table"):
-        _paged(q, k_cache, v_cache, tables, [0, tables.shape[1] * 16 + 1])
