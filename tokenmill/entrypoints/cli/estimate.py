@@ -16,9 +16,11 @@ How: the model's dimensions give weight and KV bytes (no weights are loaded); th
 the KV budget and blocks, as the engine would size them. Each concurrency is a closed-loop simulation
 of `bench serve --concurrency C` with the same workload: the real scheduler and KV cache manager run
 in virtual time, each step timed by the step cost model of this machine (the profile written by
-`tokenmill calibrate`, else a roofline from measured bandwidth and FLOP/s). Outputs are always
---output-len long (as with bench serve --ignore-eos). The SLO holds at a concurrency when 99% of the
-requests meet every bound; the break point is found by doubling, then bisection.
+`tokenmill calibrate`, else a roofline from measured bandwidth and FLOP/s; a profile also charges
+the CPU the server's front end and a bench client on this machine take per streamed token, as
+calibrate measured them on a real server). Outputs are always --output-len long (as with bench
+serve --ignore-eos). The SLO holds at a concurrency when 99% of the requests meet every bound; the
+break point is found by doubling, then bisection.
 
 examples:
   tokenmill estimate --input-len 512 --output-len 128 --slo ttft=1s,tpot=100ms --price-per-hour 0.40
