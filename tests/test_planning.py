@@ -115,36 +115,86 @@ def test_profiles_are_tied_to_machine_and_model(tiny_llama_dir, tmp_path, monkey
     spec = model_spec(EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32"))
     path = default_profile_path(machine_fingerprint("cpu", 2), spec.fingerprint())
     _profile(spec, 2).save(path)
-    choice = choose_cost_model(spec, "cpu", 2)  # found by fingerprint
+    choice = choose_cost_model(spec, machine_fingerprint("cpu", 2))  # found by fingerprint
     assert choice.model.to_dict() == TRUE_MODEL.to_dict() and not choice.warnings
     # another thread count is another configuration: not found, roofline
     with caplog.at_level(logging.WARNING):
-        assert choose_cost_model(spec, "cpu", 1).model.source == "roofline"
+        assert choose_cost_model(spec, machine_fingerprint("cpu", 1)).model.source == "roofline"
     assert "no calibration profile" in caplog.text
     # given explicitly, a profile of another machine or model is an error
     other = _profile(spec, 2)
     other.machine["cpu"] = "AMD EPYC 9999"
     other.save(tmp_path / "other-machine.json")
     with pytest.raises(ConfigError, match="machine cpu: profile 'AMD EPYC 9999'.*tokenmill calibrate"):
-        choose_cost_model(spec, "cpu", 2, str(tmp_path / "other-machine.json"))
+        choose_cost_model(spec, machine_fingerprint("cpu", 2), str(tmp_path / "other-machine.json"))
     fp32 = _profile(spec, 2)
     fp32.model["dtype"] = "bfloat16"
     fp32.save(tmp_path / "other-model.json")
     with pytest.raises(ConfigError, match="model dtype"):
-        choose_cost_model(spec, "cpu", 2, str(tmp_path / "other-model.json"))
+        choose_cost_model(spec, machine_fingerprint("cpu", 2), str(tmp_path / "other-model.json"))
     (tmp_path / "junk.json").write_text("{}")
     with pytest.raises(ConfigError, match="not a tokenmill calibration profile"):
-        choose_cost_model(spec, "cpu", 2, str(tmp_path / "junk.json"))
+        choose_cost_model(spec, machine_fingerprint("cpu", 2), str(tmp_path / "junk.json"))
     # a stale one (older tokenmill, or months old) warns and falls back to the roofline
     stale = json.loads(path.read_text())
     stale["tokenmill_version"] = "0.0.1"
     path.write_text(json.dumps(stale))
-    choice = choose_cost_model(spec, "cpu", 2)
+    choice = choose_cost_model(spec, machine_fingerprint("cpu", 2))
     assert choice.model.source == "roofline" and "stale" in choice.warnings[0]
     old = _profile(spec, 2)
     old.created = "2020-01-01T00:00:00+00:00"
     old.save(path)
-    assert "days old" in choose_cost_model(spec, "cpu", 2).warnings[0]
+    assert "days old" in choose_cost_model(spec, machine_fingerprint("cpu", 2)).warnings[0]
+
+
+def test_serve_checks_its_profile_before_loading_the_model(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    """`serve --slo` picks its cost model when the server is built, before the weights load: a
+    profile of another machine stops it at once, a stale one warns and falls back to the roofline."""
+    import socket
+    import subprocess
+    import sys
+
+    from tokenmill.config import ServerConfig
+    from tokenmill.entrypoints.openai.api_server import ServerState
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    config = EngineConfig.from_kwargs(model=str(tiny_llama_dir), dtype="float32", num_threads=2)
+    spec = model_spec(config)
+    other = _profile(spec, 2)
+    other.machine["cpu"] = "AMD EPYC 9999"
+    other.save(tmp_path / "other.json")
+    with pytest.raises(ConfigError, match="AMD EPYC 9999.*tokenmill calibrate"):
+        ServerState(config, ServerConfig(slo="ttft=1s", profile=str(tmp_path / "other.json")))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli.main", "serve", str(tiny_llama_dir),
+                        "--dtype", "float32", "--num-threads", "2", "--port", str(port), "--slo", "ttft=1s",
+                        "--profile", str(tmp_path / "other.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "AMD EPYC 9999" in r.stderr, r.stderr
+    assert "loaded" not in r.stderr and "engine ready" not in r.stderr  # refused before the weights load
+    stale = _profile(spec, 2)
+    stale.torch_version = "1.0"
+    stale.save(tmp_path / "stale.json")
+    with caplog.at_level(logging.WARNING):
+        state = ServerState(config, ServerConfig(slo="ttft=1s", profile=str(tmp_path / "stale.json")))
+    assert state.engine is None and state.slo_cost.model.source == "roofline"
+    assert "stale" in state.slo_cost.warnings[0] and "falling back to the roofline" in caplog.text
+
+
+def test_slo_messages_say_what_each_command_accepts():
+    from tokenmill.bench.serve_metrics import parse_slo
+    from tokenmill.planning.admission import parse_admission_slo
+
+    with pytest.raises(ValueError, match="NAME one of ttft, tpot, itl, e2e"):
+        parse_slo("latency=1s")  # bench serve, estimate, simulate: all four
+    assert parse_admission_slo("ttft=1s, tpot=100") == {"ttft": 1.0, "tpot": 0.1}
+    for bad in ("itl=50ms", "e2e=2s", "ttft=fast"):
+        with pytest.raises(ConfigError, match="NAME ttft and/or tpot") as e:
+            parse_admission_slo(bad)
+        assert "itl," not in str(e.value) and "e2e," not in str(e.value)
+    with pytest.raises(ConfigError, match="ttft and/or tpot"):
+        parse_admission_slo("")
 
 
 class Recording(StepCostModel):

@@ -46,6 +46,12 @@ def test_calibrate_writes_a_profile_of_this_machine_and_model(calibrated):
     assert all(m > 0 for m in measured)
     gemm = p["cost_model"]["gemm"]
     assert gemm == sorted(gemm) and gemm[0] > 0  # G never decreases with the batch
+    # the streaming run through a real server: its CPU per token is charged when the model holds every core
+    st = cal["streaming"]
+    assert st["front_end_s_per_token"] > 0 and st["client_s_per_token"] >= 0 and st["output_tokens"] >= 24 * 64
+    holds_every_core = p["machine"]["num_threads"] >= p["machine"]["cores"]
+    expected = st["front_end_s_per_token"] + st["client_s_per_token"] if holds_every_core else 0.0
+    assert p["cost_model"]["stream_overhead"] == pytest.approx(expected)
 
 
 def test_estimate_json_from_the_profile(calibrated, tiny_llama_dir):
@@ -122,3 +128,21 @@ def test_simulate_replays_a_timestamped_trace(calibrated, tiny_llama_dir, tmp_pa
     (run,) = res["runs"]
     assert run["load"]["mode"] == "replay" and run["completed"] == 10
     assert run["duration_s"] >= 4.5  # the last request arrives 4.5 s after the first
+
+
+def test_calibrate_with_tensor_parallelism(tiny_llama_dir, tmp_path):
+    """Two ranks in other processes: the designed steps and the engine's steps are timed through the
+    core's executor (plain data), and the profile is tied to that rank layout."""
+    cache = tmp_path / "cache"
+    out = tmp_path / "tp2.json"
+    r = _cli(cache, "calibrate", str(tiny_llama_dir), *ENGINE, "--tensor-parallel-size", "2", "--max-seconds", "8",
+             "--reps", "1", "--no-serving-run", "--output", str(out))
+    assert "held-out shapes" in r.stdout
+    p = json.loads(out.read_text())
+    assert p["machine"]["ranks"] == "tp2-pp1" and p["calibration"]["engine_steps"] > 5
+    assert all(pt["measured_ms"] > 0 for pt in p["calibration"]["points"]) and p["calibration"]["streaming"] is None
+    r = _cli(cache, "estimate", str(tiny_llama_dir), *ENGINE, "--tensor-parallel-size", "2", "--profile", str(out),
+             "--concurrency", "2", "--json")
+    assert json.loads(r.stdout)["cost_model"]["source"] == "calibrated"
+    r = _cli(cache, "estimate", str(tiny_llama_dir), *ENGINE, "--profile", str(out), check=False)
+    assert r.returncode == 1 and "machine ranks: profile 'tp2-pp1', here None" in r.stderr

@@ -74,7 +74,8 @@ def test_priority_on_both_endpoints(server):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--slo", "e2e=1s"], "ttft and/or tpot"),
+    (["--slo", "e2e=1s"], "NAME ttft and/or tpot"),
+    (["--slo", "itl=50ms"], "NAME ttft and/or tpot"),
     (["--slo", "ttft=fast"], "--slo"),
     (["--scheduling-policy", "lifo"], "invalid choice"),
     (["--priority-aging", "-1"], "priority_aging"),

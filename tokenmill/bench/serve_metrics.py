@@ -74,17 +74,20 @@ class RequestRecord:
         }
 
 
-def parse_slo(text: str | None) -> dict[str, float]:
+def parse_slo(text: str | None, allowed: tuple[str, ...] = SLO_METRICS, example: str = "ttft=500ms,tpot=100ms"
+              ) -> dict[str, float]:
     """'ttft=500ms,tpot=100ms,e2e=2s' -> {"ttft": 0.5, "tpot": 0.1, "e2e": 2.0} (seconds); a bare
-    number is milliseconds. Raises ValueError with a readable message."""
+    number is milliseconds. `allowed`: the bounds the calling command can check (its message lists
+    those). Raises ValueError with a readable message."""
     slo: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in (text or "").split(","))):
         name, _, value = part.partition("=")
         name = name.strip().lower()
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(ms|s)?\s*", value)
-        if name not in SLO_METRICS or not match:
-            raise ValueError(f"bad SLO bound {part!r}: expected NAME=VALUE[ms|s] with NAME one of "
-                             f"{', '.join(SLO_METRICS)} (e.g. ttft=500ms,tpot=100ms)")
+        if name not in allowed or not match:
+            names = " and/or ".join(allowed) if len(allowed) <= 2 else f"one of {', '.join(allowed)}"
+            raise ValueError(f"bad SLO bound {part!r}: expected NAME=VALUE[ms|s] with NAME {names} "
+                             f"(e.g. {example})")
         slo[name] = float(match.group(1)) / (1 if match.group(2) == "s" else 1000)
     return slo
 

@@ -23,10 +23,11 @@ class ServerConfig:
     shutdown_grace: float = field(default=30.0, metadata={
         "help": "On SIGTERM/SIGINT, seconds to let in-flight requests finish before exiting."})
     slo: str | None = field(default=None, metadata={
-        "help": "SLO-aware admission, e.g. ttft=1s,tpot=100ms (bare numbers are ms): a request predicted to miss "
-                "either bound under the current load gets 429 with Retry-After at once, instead of queueing and "
-                "making everyone after it miss too. Predictions come from this machine's calibration profile "
-                "(tokenmill calibrate), else the roofline model (a warning says so)."})
+        "help": "SLO-aware admission by ttft and/or tpot bounds, e.g. ttft=1s,tpot=100ms (bare numbers are ms): "
+                "a request predicted to miss either bound under the current load gets 429 with Retry-After at "
+                "once, instead of queueing and making everyone after it miss too. Predictions come from this "
+                "machine's calibration profile (tokenmill calibrate), else the roofline model (a warning says "
+                "so)."})
     profile: str | None = field(default=None, metadata={
         "help": "Calibration profile for --slo (default: the one `tokenmill calibrate` saved for this machine "
                 "and model)."})

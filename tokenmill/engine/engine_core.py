@@ -16,12 +16,14 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.core.scheduler_output import SchedulerOutput
 from tokenmill.core.spec_policy import SpecPolicy
 from tokenmill.engine import faults
 from tokenmill.errors import EngineStepError, WorkerDiedError
 from tokenmill.executor import make_executor
 from tokenmill.model.loader import ModelSource
 from tokenmill.model.model_config import ModelConfig
+from tokenmill.planning.step_shape import shape_of
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class EngineCore:
                                    spec_policy=SpecPolicy() if spec.enabled and spec.adaptive else None)
         self.num_steps = 0
         self._draft_seconds = 0.0  # the last step's drafting, for the step that verifies it
+        self.step_times: list | None = None  # (StepShape, seconds in the executor) per step, when recording
         faults.install_core(self)  # test-only switches; nothing when unset
 
     @staticmethod
@@ -81,6 +84,27 @@ class EngineCore:
     def kv_block_states(self) -> str:
         return self.kv.pool.block_states()
 
+    def record_step_times(self, on: bool) -> list:
+        """Start (or stop) recording each step's shape and executor time (calibration); returns what
+        was recorded so far. Plain data: the shapes are StepShape, the times seconds."""
+        recorded, self.step_times = self.step_times or [], [] if on else None
+        return recorded
+
+    def time_step(self, sched: SchedulerOutput, reps: int) -> list[float]:
+        """Run one designed step (plain data, its sequences all new) `reps` times through the
+        executor, on every rank, with the engine idle; the seconds of each run. The ranks then forget
+        the step's sequences."""
+        assert not self.scheduler.has_unfinished(), "time_step needs an idle engine"
+        times = []
+        try:
+            for _ in range(reps):
+                t = time.perf_counter()
+                self.executor.execute(sched)
+                times.append(time.perf_counter() - t)
+        finally:
+            self.executor.execute(SchedulerOutput([], [], {}, 0, [], list(sched.num_scheduled_tokens)))
+        return times
+
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
         errors, self.scheduler.failed = self.scheduler.failed, {}
@@ -89,6 +113,7 @@ class EngineCore:
             if self.scheduler.compiling and not errors:  # nothing to run until a grammar is ready
                 wait([r.grammar_ready for r in self.scheduler.compiling], _GRAMMAR_POLL_S, FIRST_COMPLETED)
             return EngineCoreOutputs([], timestamp=time.monotonic(), scheduler_stats=self.stats(), failed=errors)
+        shape = shape_of(sched, self.scheduler.requests) if self.step_times is not None else None
         t0 = time.perf_counter()
         try:
             result = self.executor.execute(sched)
@@ -103,6 +128,8 @@ class EngineCore:
             logger.exception("engine step failed; aborting %d request(s)", len(ids))
             raise EngineStepError(f"engine step failed: {type(e).__name__}: {e}", ids) from e
         self.num_steps += 1
+        if shape is not None:
+            self.step_times.append((shape, time.perf_counter() - t0))
         num_running = len(self.scheduler.running)
         outputs = self.scheduler.update(sched, result)
         policy = self.scheduler.spec_policy

@@ -30,15 +30,15 @@ SLO_NAMES = ("ttft", "tpot")
 
 
 def parse_admission_slo(text: str) -> dict[str, float]:
-    """'ttft=500ms,tpot=100ms' -> seconds; only the bounds admission can predict."""
+    """'ttft=500ms,tpot=100ms' -> seconds; only the bounds admission can predict (not itl or e2e,
+    which bench serve and simulate accept)."""
     from tokenmill.bench.serve_metrics import parse_slo
 
     try:
-        slo = parse_slo(text)
+        slo = parse_slo(text, SLO_NAMES, "ttft=1s,tpot=100ms")
     except ValueError as e:
         raise ConfigError(f"--slo: {e}", param="slo") from None
-    other = sorted(set(slo) - set(SLO_NAMES))
-    if other or not slo:
+    if not slo:
         raise ConfigError(f"--slo takes ttft and/or tpot bounds for admission (e.g. ttft=1s,tpot=100ms), "
                           f"got {text!r}", param="slo")
     return slo

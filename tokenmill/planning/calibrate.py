@@ -18,8 +18,9 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.errors import ConfigError
 from tokenmill.planning.cost_model import StepCostModel, nnls
-from tokenmill.planning.step_shape import StepShape, shape_of
+from tokenmill.planning.step_shape import StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +119,10 @@ def summarize_errors(errs: list[float]) -> dict:
 
 
 class StepDriver:
-    """Runs designed steps through the engine's own model runner and KV cache (the engine idle)."""
+    """Runs designed steps through the engine core's executor, on every rank (the engine idle)."""
 
     def __init__(self, engine):
-        self.runner = engine.core.worker.runner
+        self.core = engine.core
         self.block_size = engine.config.cache.block_size
         self.num_blocks = engine.core.kv.num_blocks
         self.vocab = engine.model_config.vocab_size
@@ -149,26 +150,16 @@ class StepDriver:
     def time(self, spec: ShapeSpec, reps: int) -> float:
         """Median of `reps` runs after a warm-up (oneDNN picks and caches kernels per shape); a long
         step (> 0.5 s, where a warm-up is noise) is the faster of two runs."""
-        from tokenmill.core.scheduler_output import SchedulerOutput
-
         sched = self.build(spec)
-        try:
-            first = self._run(sched)
-            if first > 0.5:
-                return min(first, self._run(sched))
-            return statistics.median(self._run(sched) for _ in range(reps))
-        finally:  # the runner forgets the step's sequences
-            self.runner.execute(SchedulerOutput([], [], {}, 0, [], list(sched.num_scheduled_tokens)))
-
-    def _run(self, sched) -> float:
-        t = time.perf_counter()
-        self.runner.execute(sched)
-        return time.perf_counter() - t
+        (first,) = self.core.time_step(sched, 1)
+        if first > 0.5:
+            return min(first, *self.core.time_step(sched, 1))
+        return statistics.median(self.core.time_step(sched, reps))
 
 
-def engine_overhead_run(engine, model: StepCostModel, num_requests: int = 16, output_len: int = 24, seed: int = 0):
-    """A real mixed workload through LLMEngine.step(): per step its shape, the runner's time and the
-    whole step's time."""
+def engine_overhead_run(engine, num_requests: int = 16, output_len: int = 24, seed: int = 0):
+    """A real mixed workload through LLMEngine.step(): per step its shape, the executor's time (as
+    the core recorded it) and the whole step's time."""
     from tokenmill.sampling_params import SamplingParams
 
     rng = random.Random(seed)
@@ -177,34 +168,18 @@ def engine_overhead_run(engine, model: StepCostModel, num_requests: int = 16, ou
         prompt = [rng.randrange(vocab) for _ in range(rng.randint(16, 256))]
         engine.add_request(f"overhead-{i}", prompt, SamplingParams(temperature=1.0, max_tokens=output_len,
                                                                    ignore_eos=True, seed=i))
-    runner, scheduler = engine.core.worker.runner, engine.core.scheduler
-    captured: dict = {}
-    schedule, execute = scheduler.schedule, runner.execute
-
-    def timed_schedule():
-        out = schedule()
-        captured["shape"] = shape_of(out, scheduler.requests)
-        return out
-
-    def timed_execute(sched):
-        t = time.perf_counter()
-        try:
-            return execute(sched)
-        finally:
-            captured["runner"] = time.perf_counter() - t
-
-    scheduler.schedule, runner.execute = timed_schedule, timed_execute
     rows = []
+    engine.core.record_step_times(True)
     try:
         while engine.has_unfinished_requests():
-            captured.clear()
             t = time.perf_counter()
             engine.step()
             total = time.perf_counter() - t
-            if "runner" in captured and captured["shape"].num_seqs:
-                rows.append((captured["shape"], captured["runner"], total))
+            for shape, runner in engine.core.record_step_times(True):
+                if shape.num_seqs:
+                    rows.append((shape, runner, total))
     finally:
-        del scheduler.schedule, runner.execute
+        engine.core.record_step_times(False)
     return rows
 
 
@@ -233,45 +208,62 @@ def calibration_config(config):
     return dataclasses.replace(config, model=model, cache=cache), max_len
 
 
-def calibrate(config, max_seconds: float = 80.0, reps: int = 3, progress=None):
-    """Measure, fit and return a Profile (not yet saved). `progress(done, total)` is called per shape."""
+def calibrate(config, max_seconds: float = 80.0, reps: int = 3, progress=None, serving_run: bool = True):
+    """Measure, fit and return a Profile (not yet saved). `progress(what)` is called as it goes."""
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.planning.machine import machine_fingerprint, measure
+    from tokenmill.planning.machine import machine_of, measure
     from tokenmill.planning.model_spec import model_spec
     from tokenmill.planning.profile import Profile
 
+    if config.parallel.data_parallel_size > 1:
+        raise ConfigError("calibrate measures one replica: drop --data-parallel-size (every replica runs the same "
+                          "steps; estimate and simulate plan one replica)")
+    progress = progress or (lambda what: None)
     t0 = time.perf_counter()
     run_config, max_len = calibration_config(config)
     spec = model_spec(config)
-    engine = LLMEngine(run_config, progress=False)
+    engine = LLMEngine(run_config, progress=False, multiprocess=False)
     load_s = time.perf_counter() - t0
     measurements = measure(dtypes=(spec.dtype,))
     sched = config.scheduler
     specs = design_shapes(sched.max_num_batched_tokens, sched.max_num_seqs, max_len)
     driver = StepDriver(engine)
     shapes, seconds, t_measure = [], [], time.perf_counter()
-    for i, s in enumerate(specs):
-        if time.perf_counter() - t_measure > max_seconds:
-            logger.warning("calibration budget of %.0fs reached after %d of %d shapes", max_seconds, i, len(specs))
-            break
-        shapes.append(s.shape())
-        seconds.append(driver.time(s, reps))
-        if progress:
-            progress(i + 1, len(specs))
-    # a step slowed by something else on the machine is measured again (the faster time counts)
-    model = StepCostModel.fit(shapes, seconds)
-    t_retry = time.perf_counter()
-    for i, err in enumerate(errors_pct(model, shapes, seconds)):
-        if abs(err) > 15 and i < len(specs) and time.perf_counter() - t_retry < max_seconds / 6:
-            seconds[i] = min(seconds[i], driver.time(specs[i], reps))
+    try:
+        for i, s in enumerate(specs):
+            if time.perf_counter() - t_measure > max_seconds:
+                logger.warning("calibration budget of %.0fs reached after %d of %d shapes", max_seconds, i, len(specs))
+                break
+            progress(f"step shape {i + 1} of {len(specs)}")
+            shapes.append(s.shape())
+            seconds.append(driver.time(s, reps))
+        # a step slowed by something else on the machine is measured again (the faster time counts)
+        model = StepCostModel.fit(shapes, seconds)
+        t_retry = time.perf_counter()
+        for i, err in enumerate(errors_pct(model, shapes, seconds)):
+            if abs(err) > 15 and i < len(specs) and time.perf_counter() - t_retry < max_seconds / 6:
+                seconds[i] = min(seconds[i], driver.time(specs[i], reps))
+        progress("a real workload through the engine")
+        rows = engine_overhead_run(engine)
+    finally:
+        engine.shutdown()
     held = held_out_split(shapes)
     train = [i for i in range(len(shapes)) if i not in held]
     partial = StepCostModel.fit([shapes[i] for i in train], [seconds[i] for i in train])
     held_errs = errors_pct(partial, [shapes[i] for i in held], [seconds[i] for i in held])
     model = StepCostModel.fit(shapes, seconds)
-    rows = engine_overhead_run(engine, model)
     model.step_overhead, model.seq_overhead = fit_overhead(rows)
     engine_errs = errors_pct(model, [r[0] for r in rows], [r[2] for r in rows], runner_only=False)
+    machine = machine_of(config)
+    streaming = None
+    if serving_run:
+        from tokenmill.planning.stream_overhead import measure_stream_overhead
+
+        progress("streaming through a real server on loopback")
+        streaming = measure_stream_overhead(config)
+        # it competes with the model's threads only when they hold every core
+        if machine["num_threads"] >= machine["cores"]:
+            model.stream_overhead = streaming["front_end_s_per_token"] + streaming["client_s_per_token"]
     points = [{"shape": s.to_dict(), "measured_ms": 1000 * t, "predicted_ms": 1000 * model.runner_time(s),
                "held_out": i in held} for i, (s, t) in enumerate(zip(shapes, seconds))]
     calibration = {
@@ -279,14 +271,7 @@ def calibrate(config, max_seconds: float = 80.0, reps: int = 3, progress=None):
         "held_out_error_pct": summarize_errors(held_errs),
         "engine_steps": len(rows), "engine_step_error_pct": summarize_errors(engine_errs),
         "engine_step_ms_mean": 1000 * statistics.fmean(r[2] for r in rows) if rows else None,
-        "load_s": load_s, "duration_s": time.perf_counter() - t0, "points": points,
+        "streaming": streaming, "load_s": load_s, "duration_s": time.perf_counter() - t0, "points": points,
     }
-    threads = _torch_threads()
-    return Profile(machine=machine_fingerprint(run_config.model.torch_device.type, threads),
-                   model=spec.fingerprint(), cost_model=model, measurements=measurements, calibration=calibration)
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
+    return Profile(machine=machine, model=spec.fingerprint(), cost_model=model, measurements=measurements,
+                   calibration=calibration)

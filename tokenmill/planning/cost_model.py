@@ -2,7 +2,8 @@
 
     t = G(tokens) + per_seq * seqs + per_decode_context * decode_context
         + per_prefill_pair * prefill_pairs + per_prefill_context * prefill_context
-        + per_sampled[_greedy] * sampled + step_overhead
+        + per_sampled[_greedy] * sampled + step_overhead + seq_overhead * seqs
+        + stream_overhead * sampled
 
 G, the cost of the dense layers, is piecewise linear in the batch's tokens through knots at powers of
 two (flat-ish while GEMMs stream the weights from memory, then linear once they are compute-bound);
@@ -38,6 +39,7 @@ class StepCostModel:
     per_sampled_greedy: float = 0.0  # per sampled row when the whole batch is greedy
     step_overhead: float = 0.0  # the engine around the runner: scheduling, outputs, detokenizing
     seq_overhead: float = 0.0  # ... and its part per sequence
+    stream_overhead: float = 0.0  # per sampled row: CPU the server's front end and a local client take per token
     source: str = "roofline"  # "roofline" or "calibrated"
 
     def gemm_time(self, tokens: int) -> float:
@@ -54,11 +56,13 @@ class StepCostModel:
         sampled = self.per_sampled_greedy if s.greedy else self.per_sampled
         return (self.gemm_time(s.num_tokens) + (self.per_seq + self.seq_overhead) * s.num_seqs
                 + self.per_decode_context * s.decode_context + self.per_prefill_pair * s.prefill_pairs
-                + self.per_prefill_context * s.prefill_context + sampled * s.num_sampled + self.step_overhead)
+                + self.per_prefill_context * s.prefill_context + (sampled + self.stream_overhead) * s.num_sampled
+                + self.step_overhead)
 
     def runner_time(self, s: StepShape) -> float:
         """The model runner's part alone (what calibration measures first)."""
-        return self.step_time(s) - self.step_overhead - self.seq_overhead * s.num_seqs
+        return (self.step_time(s) - self.step_overhead - self.seq_overhead * s.num_seqs
+                - self.stream_overhead * s.num_sampled)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -39,6 +39,17 @@ def machine_fingerprint(device: str, num_threads: int) -> dict:
             "memory_gib": round(mem / 2**30), "device": device, "num_threads": num_threads}
 
 
+def machine_of(config) -> dict:
+    """The fingerprint of this machine as an engine of `config` runs on it (threads and ranks)."""
+    from tokenmill.worker.cpu_env import default_num_threads
+
+    p = config.parallel
+    fingerprint = machine_fingerprint(config.model.torch_device.type, p.num_threads or default_num_threads())
+    if p.world_size > 1:  # absent for one rank, as in profiles written before ranks were recorded
+        fingerprint["ranks"] = f"tp{p.tensor_parallel_size}-pp{p.pipeline_parallel_size}"
+    return fingerprint
+
+
 @dataclass
 class MachineMeasurements:
     bandwidth: float  # bytes/s, streaming reads with the engine's threads

@@ -19,7 +19,7 @@ from tokenmill import __version__
 from tokenmill.errors import ConfigError
 from tokenmill.model.loader.cache import cache_root
 from tokenmill.planning.cost_model import StepCostModel
-from tokenmill.planning.machine import MachineMeasurements, machine_fingerprint, machine_measurements
+from tokenmill.planning.machine import MachineMeasurements, machine_measurements
 from tokenmill.planning.model_spec import ModelSpec
 from tokenmill.planning.roofline import roofline_model
 
@@ -119,13 +119,14 @@ class CostModelChoice:
     warnings: list[str] = field(default_factory=list)
 
 
-def choose_cost_model(spec: ModelSpec, device: str, num_threads: int, profile_path: str | None = None,
-                      roofline: bool = False, model_arg: str | None = None) -> CostModelChoice:
+def choose_cost_model(spec: ModelSpec, machine: dict, profile_path: str | None = None, roofline: bool = False,
+                      model_arg: str | None = None) -> CostModelChoice:
     """The calibrated profile for this machine and model (--profile or the default location), else the
-    roofline. A profile for another machine or model raises; a stale one warns and falls back."""
-    machine, model = machine_fingerprint(device, num_threads), spec.fingerprint()
+    roofline. A profile for another machine or model raises; a stale one warns and falls back.
+    Reads no weights: callers check a profile before anything slow."""
+    model = spec.fingerprint()
     flags = " ".join(f for f in (model_arg and f"--model {model_arg}", f"--dtype {spec.dtype}",
-                                 f"--num-threads {num_threads}") if f)
+                                 f"--num-threads {machine['num_threads']}") if f)
     hint = f"run `tokenmill calibrate {flags}` on this machine"
     warnings: list[str] = []
     path = Path(profile_path).expanduser() if profile_path else default_profile_path(machine, model)
@@ -151,3 +152,14 @@ def choose_cost_model(spec: ModelSpec, device: str, num_threads: int, profile_pa
     desc = (f"roofline from measured {m.bandwidth / 1e9:.1f} GB/s and "
             f"{(m.flops.get(spec.dtype) or max(m.flops.values())) / 1e12:.2f} TFLOP/s ({spec.dtype})")
     return CostModelChoice(roofline_model(spec, m), desc, None, warnings)
+
+
+def cost_model_for(config, profile_path: str | None = None, roofline: bool = False
+                   ) -> tuple[ModelSpec, CostModelChoice]:
+    """What estimate, simulate and serve --slo plan with: the model as `config` stores it (no weights
+    loaded) and the step cost model of this machine for it."""
+    from tokenmill.planning.machine import machine_of
+    from tokenmill.planning.model_spec import model_spec
+
+    spec = model_spec(config)
+    return spec, choose_cost_model(spec, machine_of(config), profile_path, roofline, config.model.model)

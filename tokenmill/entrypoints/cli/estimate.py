@@ -7,24 +7,20 @@ import argparse
 import json
 import sys
 
-from tokenmill.entrypoints.cli.args import add_engine_args, engine_config_from_args
-from tokenmill.entrypoints.cli.workload_args import (
-    add_load_args,
-    add_slo_arg,
-    add_workload_args,
-    check_workload_args,
-    parse_slo_arg,
-    workload_from_args,
-)
+from tokenmill.entrypoints.cli.args import add_engine_args
+from tokenmill.entrypoints.cli.planning_args import add_cost_model_args, cost_model_json, planning_inputs
+from tokenmill.entrypoints.cli.workload_args import add_load_args, add_slo_arg, add_workload_args, workload_from_args
 
 _EPILOG = """\
 How: the model's dimensions give weight and KV bytes (no weights are loaded); the engine flags give
 the KV budget and blocks, as the engine would size them. Each concurrency is a closed-loop simulation
 of `bench serve --concurrency C` with the same workload: the real scheduler and KV cache manager run
 in virtual time, each step timed by the step cost model of this machine (the profile written by
-`tokenmill calibrate`, else a roofline from measured bandwidth and FLOP/s). Outputs are always
---output-len long (as with bench serve --ignore-eos). The SLO holds at a concurrency when 99% of the
-requests meet every bound; the break point is found by doubling, then bisection.
+`tokenmill calibrate`, else a roofline from measured bandwidth and FLOP/s; a profile also charges
+the CPU the server's front end and a bench client on this machine take per streamed token, as
+calibrate measured them on a real server). Outputs are always --output-len long (as with bench
+serve --ignore-eos). The SLO holds at a concurrency when 99% of the requests meet every bound; the
+break point is found by doubling, then bisection.
 
 examples:
   tokenmill estimate --input-len 512 --output-len 128 --slo ttft=1s,tpot=100ms --price-per-hour 0.40
@@ -51,11 +47,7 @@ def register(sub) -> None:
                         "output]")
     g.add_argument("--price-per-hour", type=float, default=None, metavar="USD",
                    help="Machine price per hour, for $ per million output tokens.")
-    g.add_argument("--profile", default=None, metavar="PATH",
-                   help="Calibration profile to use. [default: this machine's and model's from tokenmill "
-                        "calibrate, if any]")
-    g.add_argument("--roofline", action="store_true", help="Use the roofline model even if a profile exists.")
-    g.add_argument("--json", action="store_true", help="One JSON object on stdout instead of tables.")
+    add_cost_model_args(g)
     add_engine_args(p, positional_model=True)
     p.set_defaults(func=run)
 
@@ -64,25 +56,16 @@ def run(args) -> int:
     from tokenmill.config import parse_size
     from tokenmill.errors import ConfigError
     from tokenmill.planning import estimate as est
-    from tokenmill.planning.model_spec import model_spec
-    from tokenmill.planning.profile import choose_cost_model
     from tokenmill.planning.sweep import slo_break
-    from tokenmill.worker.cpu_env import default_num_threads
 
-    check_workload_args(args)
     if args.price_per_hour is not None and args.price_per_hour < 0:
         raise ConfigError("--price-per-hour must be >= 0")
     if args.context is not None and args.context < 1:
         raise ConfigError("--context must be >= 1")
-    slo = parse_slo_arg(args.slo)
-    config = engine_config_from_args(args)
-    spec = model_spec(config)
+    config, slo, spec, cost = planning_inputs(args)
     budget = parse_size(args.memory_budget) if args.memory_budget else None
     context = args.context or (args.shared_prefix_len + args.input_len + args.output_len)
     plan = est.plan_memory(config, spec, context, budget)
-    threads = config.parallel.num_threads or default_num_threads()
-    cost = choose_cost_model(spec, config.model.torch_device.type, threads, args.profile, args.roofline,
-                             config.model.model)
     settings = est.sim_settings(config, plan)
     kv_max = plan.kv.max_concurrency(plan.context_len)
     levels = args.concurrency or sorted({c for c in (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -105,7 +88,7 @@ def run(args) -> int:
     result = {
         "model": spec.fingerprint(),
         "memory": plan.to_dict(),
-        "cost_model": {"source": cost.model.source, "description": cost.description, "warnings": cost.warnings},
+        "cost_model": cost_model_json(cost),
         "workload": {k: getattr(args, k) for k in ("input_len", "output_len", "range_ratio", "shared_prefix_len",
                                                    "dataset", "temperature", "num_prompts", "workload_seed")},
         "engine": {"max_num_batched_tokens": settings.max_num_batched_tokens, "max_num_seqs": settings.max_num_seqs,

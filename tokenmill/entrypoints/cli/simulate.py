@@ -9,12 +9,11 @@ import json
 import sys
 
 from tokenmill.entrypoints.cli.args import add_engine_args, engine_config_from_args
+from tokenmill.entrypoints.cli.planning_args import add_cost_model_args, cost_model_json, planning_inputs
 from tokenmill.entrypoints.cli.workload_args import (
     add_load_args,
     add_slo_arg,
     add_workload_args,
-    check_workload_args,
-    parse_slo_arg,
     positive_list,
     workload_from_args,
 )
@@ -93,9 +92,7 @@ def register(sub) -> None:
     g.add_argument("--admission", action="store_true",
                    help="Simulate `serve --slo` admission: arrivals predicted to miss the SLO are rejected (429).")
     g.add_argument("--no-knee", action="store_true", help="Skip the knee search (it runs ~12 more simulations).")
-    g.add_argument("--profile", default=None, metavar="PATH", help="Calibration profile. [default: this machine's]")
-    g.add_argument("--roofline", action="store_true", help="Use the roofline model even if a profile exists.")
-    g.add_argument("--json", action="store_true", help="One JSON object on stdout instead of tables.")
+    add_cost_model_args(g)
     add_engine_args(p, positional_model=True, skip=_COMPARED)
     p.set_defaults(func=run)
 
@@ -117,25 +114,16 @@ def run(args) -> int:
     from tokenmill.errors import ConfigError
     from tokenmill.planning.admission import SLOAdmission
     from tokenmill.planning.estimate import plan_memory, sim_settings
-    from tokenmill.planning.model_spec import model_spec
-    from tokenmill.planning.profile import choose_cost_model
     from tokenmill.planning.sweep import goodput_knee, run_point
-    from tokenmill.worker.cpu_env import default_num_threads
 
-    check_workload_args(args)
     if args.duration is not None and args.duration <= 0:
         raise ConfigError("--duration must be > 0")
     if not 0 < args.slo_attainment <= 1:
         raise ConfigError("--slo-attainment must be in (0, 1]")
-    slo = parse_slo_arg(args.slo)
+    grid = settings_grid(args)
+    _, slo, spec, cost = planning_inputs(args, **grid[0])
     if args.admission and not ({"ttft", "tpot"} & set(slo)):
         raise ConfigError("--admission needs --slo with a ttft and/or tpot bound")
-    grid = settings_grid(args)
-    base = engine_config_from_args(args, **grid[0])
-    spec = model_spec(base)
-    threads = base.parallel.num_threads or default_num_threads()
-    cost = choose_cost_model(spec, base.model.torch_device.type, threads, args.profile, args.roofline,
-                             base.model.model)
     workload = workload_from_args(args, spec, args.duration)
     replay = workload.replayable() and args.concurrency is None and args.request_rate is None
     points = [("replay", 0.0)] if replay else [(p.mode, p.value) for p in load_points(args)]
@@ -155,7 +143,7 @@ def run(args) -> int:
         results.append({"setting": values, "label": label or "engine flags", "sim_settings": settings.to_dict(),
                         "runs": runs, "knee": knee})
     out = {"model": spec.fingerprint(),
-           "cost_model": {"source": cost.model.source, "description": cost.description, "warnings": cost.warnings},
+           "cost_model": cost_model_json(cost),
            "slo_ms": {k: v * 1000 for k, v in slo.items()} or None, "slo_attainment": args.slo_attainment,
            "results": results}
     if args.json:

@@ -62,6 +62,11 @@ class ServerState:
         self.open_paths = set(OPEN_PATHS)  # reachable without the API key
         self.extra_stat_loggers: list = []  # attached to the engine before it starts (e.g. the dashboard's)
         self.slo_gate = None  # --slo: SLOGate, the `admit` check of every generation request
+        self.slo_cost = None  # --slo: its cost model, chosen (and a wrong profile refused) before the load
+        if config.slo is not None:
+            from tokenmill.entrypoints.openai.slo_admission import slo_cost_model
+
+            self.slo_cost = slo_cost_model(engine_config, config.profile)
 
     def limits(self) -> dict | None:
         """The loaded model's limits for the OpenAPI schema (None while loading)."""
@@ -90,7 +95,7 @@ class ServerState:
                     from tokenmill.planning.admission import parse_admission_slo
 
                     self.slo_gate = SLOGate(engine, self.engine_config, parse_admission_slo(self.config.slo),
-                                            self.config.profile)
+                                            self.slo_cost)
                 loop.call_soon_threadsafe(done.set_result, engine)
             except BaseException as e:  # noqa: BLE001 - reported on the loop
                 loop.call_soon_threadsafe(done.set_exception, e)

@@ -98,7 +98,11 @@ def run_server(engine_config: EngineConfig, config: ServerConfig, log_level: str
         # here, not on the loading thread: a local Ray's processes die with the thread that started them
         init_ray()
     sock = listen_socket(config.host, config.port)
-    server = _Server(engine_config, config, log_level)
+    try:
+        server = _Server(engine_config, config, log_level)  # e.g. refuses --profile of another machine
+    except BaseException:
+        sock.close()
+        raise
     try:
         import uvloop
 

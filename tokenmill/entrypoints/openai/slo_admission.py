@@ -15,21 +15,25 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.errors import SLORejectedError
 from tokenmill.planning.admission import SLOAdmission
+from tokenmill.planning.profile import CostModelChoice
 
 logger = logging.getLogger("tokenmill.server")
+
+
+def slo_cost_model(config: EngineConfig, profile: str | None = None) -> CostModelChoice:
+    """The step cost model --slo predicts with. Cheap (no weights): the server calls it before it
+    loads the model, so that a profile from another machine or model fails at once, with a clear
+    message, and a stale one warns and falls back to the roofline before the long load."""
+    from tokenmill.planning.profile import cost_model_for
+
+    return cost_model_for(config, profile)[1]
+
 
 class SLOGate:
     """The `admit` callback of AsyncLLMEngine.generate under --slo."""
 
     def __init__(self, engine: AsyncLLMEngine, config: EngineConfig, slo: dict[str, float],
-                 profile: str | None = None, margin: float = 0.9):
-        from tokenmill.planning.model_spec import model_spec
-        from tokenmill.planning.profile import choose_cost_model
-        from tokenmill.worker.cpu_env import default_num_threads
-
-        threads = config.parallel.num_threads or default_num_threads()
-        choice = choose_cost_model(model_spec(config), config.model.torch_device.type, threads, profile,
-                                   model_arg=config.model.model)
+                 choice: CostModelChoice, margin: float = 0.9):
         self.engine = engine
         self.cost_description = choice.description
         self.warnings = choice.warnings
