@@ -32,50 +32,32 @@ constexpr bool kZmm = false;
 // One quantized activation row: x ~ dx * xq per chunk c of 32, xq[K] int8 (|xq| <= 127), or with
 // `fine` activations x ~ dx * (xq + xr / 256) (a second int8 for the rounding residual: ~16-bit
 // precision for twice the dot products). Per chunk: dx[c], and dx * sum(xq (+ xr / 256)) over the
-// chunk (s[c]) and its halves (sa[c], sb[c]). With AVX-512, xp[c][k] is the 64-byte vector that
-// meets Uk (its groups 2k, 2k+1 each broadcast to 8 lanes), and xpr the same of xr.
+// chunk (s[c]) and its halves (sa[c], sb[c]).
 struct ActRow {
   const int8_t* q;
   const float* dx;
   const float* s;
   const float* sa;
   const float* sb;
-  const uint8_t* xp;
   const int8_t* qr;
-  const uint8_t* xpr;
 };
 
-inline int64_t act_part_bytes(int64_t K) { return K + (kZmm ? K / 32 * 256 : 0); }
-inline int64_t act_row_bytes(int64_t K) { return K / 32 * 16 + 2 * act_part_bytes(K); }
+inline int64_t act_row_bytes(int64_t K) { return K / 32 * 16 + 2 * K; }
 
 inline ActRow act_row(const uint8_t* base, int64_t K) {
-  const int64_t C = K / 32, P = act_part_bytes(K);
+  const int64_t C = K / 32;
   const float* f = reinterpret_cast<const float*>(base);
-  const uint8_t* q = base + C * 16;
-  return {reinterpret_cast<const int8_t*>(q), f, f + C, f + 2 * C, f + 3 * C, q + K,
-          reinterpret_cast<const int8_t*>(q + P), q + P + K};
+  const int8_t* q = reinterpret_cast<const int8_t*>(base + C * 16);
+  return {q, f, f + C, f + 2 * C, f + 3 * C, q + K};
 }
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-inline void prepare_x(const int8_t* q, int64_t C, uint8_t* xp) {
-  for (int64_t c = 0; c < C; ++c) {
-    const __m512i xc = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32)));
-    for (int k = 0; k < 4; ++k) {
-      const __m512i idx = _mm512_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
-                                           2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k);
-      _mm512_storeu_si512(xp + (c * 4 + k) * 64, _mm512_permutexvar_epi32(idx, xc));
-    }
-  }
-}
-#endif
 
 template <typename T>
-void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool expand = true) {  // expand: fill xp, xpr
+void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine) {
   const int64_t C = K / 32;
   float* dx = reinterpret_cast<float*>(dst);
   float *s = dx + C, *sa = dx + 2 * C, *sb = dx + 3 * C;
   int8_t* q = reinterpret_cast<int8_t*>(dst + C * 16);
-  int8_t* qr = reinterpret_cast<int8_t*>(dst + C * 16 + act_part_bytes(K));
+  int8_t* qr = q + K;
   float xf[32];
   for (int64_t c = 0; c < C; ++c) {
     float amax = 0.f;
@@ -102,11 +84,6 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool expand = 
     sb[c] = scale * (s1 + r1 / 256.f);
     s[c] = sa[c] + sb[c];
   }
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (!expand) return;
-  prepare_x(q, C, dst + C * 16 + K);
-  if (fine) prepare_x(qr, C, dst + C * 16 + act_part_bytes(K) + K);
-#endif
 }
 
 #if defined(__AVX2__)
@@ -117,7 +94,7 @@ inline __m256i bits_to_bytes(uint32_t bits, uint8_t value) {  // bit i -> byte i
   return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(static_cast<char>(value)));
 }
 
-// ymm j of a chunk: lanes = rows 0-7, bytes = weights 4j..4j+3 of each row (j = 2k + lane half of Uk).
+// ymm j of a chunk: lanes = rows 0-7, bytes = weights 4j..4j+3 of each row.
 template <int BITS>
 inline void decode_ymm(const uint8_t* body, __m256i u[8]) {
   auto ld = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
@@ -210,9 +187,9 @@ bool dispatch_qtype(int qtype, Fn&& f) {
   }
 }
 
-// The few-row kernel (quant_gemm_rows.cpp): out[m][r] = row r of the 16 rows of groups g0 (rows
+// The AVX-512 kernel (quant_gemm_rows.cpp): out[m][r] = row r of the 16 rows of groups g0 (rows
 // 0-7) and g1 (8-15) . activation row m, for m < mr <= kPairRows; false when this variant has none.
-constexpr int kPairRows = 4;
+constexpr int kPairRows = 8;
 bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const ActRow* a, int mr, bool fine,
               float out[][16]);
 

@@ -3,10 +3,11 @@
 //   qlinear:   out[M, N] = x[M, K] . W^T (+ bias), W given as one or more row shards of any format
 //              (a merged qkv whose q/k are Q4_K and v is Q6_K is one call, one thread fork).
 //   dequantize / embedding: rows of W as floats (tests, the many-row path, token embeddings).
-// Few rows (decode): activations are quantized to int8 per 32 (scale dx), and each chunk of 8 rows x
-// 32 weights is 4 integer dot products (VNNI vpdpbusd, or vpmaddubsw + vpmaddwd) whose lanes are
-// the 8 output rows, so the weights are read once per call, as packed as they are stored, with no
-// horizontal sums. Up to 4 activation rows share each decoded chunk.
+// Few rows (decode, verification): activations are quantized to int8 per 32 (scale dx), and each
+// chunk of 8 rows x 32 weights is integer dot products (VNNI vpdpbusd, or vpmaddubsw + vpmaddwd)
+// whose lanes are output rows, so the weights are read once per call, as packed as they are
+// stored, with no horizontal sums. Each decoded chunk serves several activation rows: up to 4 in
+// group_dot (AVX2, scalar), up to 8 with 16 output rows per zmm in quant_gemm_rows.cpp (AVX-512).
 // Many rows (prefill): dequantize a slab of W to the activation dtype and hand it to the dense
 // GEMM (oneDNN), whose throughput wins once the weights are reused enough.
 // Compiled once per ISA variant (quant_kernels.py): the SIMD paths below follow the flags.
@@ -18,7 +19,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <vector>
 
 #include "quant_act.h"
@@ -44,53 +44,7 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
     const uint8_t* body = h + g.block_head + k * g.body;
     ChunkVec v;
     chunk_vec<QT>(group, h, k, v);
-    if constexpr (kSigned && kVNNI) {  // dot products run on q + 128
-      v.oa = _mm256_mul_ps(v.da, _mm256_set1_ps(-128.f));
-      v.ob = v.oa;
-    }
     __m256i ra[MR], rb[MR];
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    __m512i U[4];
-    {
-      __m256i u[8];
-      decode_ymm<kBits<QT>>(body, u);
-      for (int j = 0; j < 4; ++j) {
-        U[j] = _mm512_inserti64x4(_mm512_castsi256_si512(u[2 * j]), u[2 * j + 1], 1);
-        if constexpr (kSigned && kVNNI) U[j] = _mm512_xor_si512(U[j], _mm512_set1_epi8(-128));
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      auto dots = [&](const uint8_t* xp, __m256i& oa, __m256i& ob) {
-      auto dp = [&](__m512i acc_i, int j) {
-        const __m512i x = _mm512_loadu_si512(xp + 64 * j);
-        if constexpr (kVNNI) {
-          return _mm512_dpbusd_epi32(acc_i, U[j], x);
-        } else if constexpr (kSigned) {
-          const __mmask64 neg = _mm512_movepi8_mask(U[j]);
-          const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
-          return _mm512_add_epi32(acc_i, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(U[j]), xs),
-                                                           _mm512_set1_epi16(1)));
-        } else {
-          return _mm512_add_epi32(acc_i, _mm512_madd_epi16(_mm512_maddubs_epi16(U[j], x), _mm512_set1_epi16(1)));
-        }
-      };
-      auto fold = [](__m512i z) { return _mm256_add_epi32(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1)); };
-      if constexpr (kTwo) {
-        oa = fold(dp(dp(_mm512_setzero_si512(), 0), 1));
-        ob = fold(dp(dp(_mm512_setzero_si512(), 2), 3));
-      } else {
-        oa = fold(dp(dp(dp(dp(_mm512_setzero_si512(), 0), 1), 2), 3));
-      }
-      };
-      dots(a[m].xp + c * 256, ra[m], rb[m]);
-      if constexpr (RES) {  // x = dx (xq + xr / 256): combine as 256 xq.u + xr.u (fits int32)
-        __m256i fa, fb;
-        dots(a[m].xpr + c * 256, fa, fb);
-        ra[m] = _mm256_add_epi32(_mm256_slli_epi32(ra[m], 8), fa);
-        if constexpr (kTwo) rb[m] = _mm256_add_epi32(_mm256_slli_epi32(rb[m], 8), fb);
-      }
-    }
-#else
     __m256i u[8];
     decode_ymm<kBits<QT>>(body, u);
     for (int m = 0; m < MR; ++m) {
@@ -123,7 +77,6 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
         if constexpr (kTwo) rb[m] = _mm256_add_epi32(_mm256_slli_epi32(rb[m], 8), fb);
       }
     }
-#endif
     for (int m = 0; m < MR; ++m) {
       const __m256 dx = _mm256_set1_ps(RES ? a[m].dx[c] / 256.f : a[m].dx[c]);
       if constexpr (kTwo) {
@@ -220,12 +173,6 @@ std::vector<Shard> make_shards(const std::vector<at::Tensor>& weights, at::IntAr
   return shards;
 }
 
-// The few-row kernel from this many rows (TM_PAIR_MIN_ROWS overrides it, for benchmarks)
-inline int64_t pair_min_rows() {
-  static const int64_t v = std::getenv("TM_PAIR_MIN_ROWS") ? std::atoll(std::getenv("TM_PAIR_MIN_ROWS")) : 2;
-  return v;
-}
-
 // 16 output rows (two x8 groups) per work item, kPairRows activation rows per decoded chunk
 template <typename TO>
 void qgemm_pairs(const ActRow* rows, int64_t M, int64_t K, const std::vector<Shard>& shards, TO* out, int64_t ldo,
@@ -242,8 +189,9 @@ void qgemm_pairs(const ActRow* rows, int64_t M, int64_t K, const std::vector<Sha
       const uint8_t* g1 = 16 * pi + 8 < sh.rows ? g0 + sh.gb : g0;  // a lone last group runs twice
       const int nr = static_cast<int>(std::min<int64_t>(16, sh.rows - pi * 16));
       const int64_t col = sh.first + pi * 16;
-      for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {
-        const int mr = static_cast<int>(std::min<int64_t>(kPairRows, M - m0));
+      const int64_t tile = (M + (M + kPairRows - 1) / kPairRows - 1) / ((M + kPairRows - 1) / kPairRows);  // even tiles
+      for (int64_t m0 = 0; m0 < M; m0 += tile) {
+        const int mr = static_cast<int>(std::min<int64_t>(tile, M - m0));
         float res[kPairRows][16];
         pair_dot(sh.qtype, g0, g1, K, rows + m0, mr, fine, res);
         for (int m = 0; m < mr; ++m)
@@ -260,13 +208,12 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
   const int64_t arb = act_row_bytes(K);
   std::vector<uint8_t> act(M * arb + 64);
   uint8_t* abase = act.data() + (64 - reinterpret_cast<uintptr_t>(act.data()) % 64) % 64;
-  const bool few_rows = kZmm && M >= pair_min_rows();  // quant_gemm_rows.cpp reads the compact rows only
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) quantize_row(x + m * K, K, abase + m * arb, fine, !few_rows);
+    for (int64_t m = b; m < e; ++m) quantize_row(x + m * K, K, abase + m * arb, fine);
   });
   std::vector<ActRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = act_row(abase + m * arb, K);
-  if (few_rows) return qgemm_pairs(rows.data(), M, K, shards, out, ldo, bias, fine);
+  if constexpr (kZmm) return qgemm_pairs(rows.data(), M, K, shards, out, ldo, bias, fine);
   // work items: groups of 8 rows over all shards
   std::vector<int64_t> starts{0};
   for (const Shard& s : shards) starts.push_back(starts.back() + (s.rows + 7) / 8);

@@ -113,8 +113,12 @@ bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const 
     constexpr int QT = decltype(qt)::value;
     auto run = [&](auto res_tag) {
       constexpr bool R = decltype(res_tag)::value;
-      static_assert(kPairRows == 4, "the switch below covers 1..kPairRows rows");
+      static_assert(kPairRows <= 8, "the switch below covers 1..8 rows");
       switch (mr) {
+        case 8: pair_dot_t<QT, 8, R>(g0, g1, g, K, a, out); break;
+        case 7: pair_dot_t<QT, 7, R>(g0, g1, g, K, a, out); break;
+        case 6: pair_dot_t<QT, 6, R>(g0, g1, g, K, a, out); break;
+        case 5: pair_dot_t<QT, 5, R>(g0, g1, g, K, a, out); break;
         case 4: pair_dot_t<QT, 4, R>(g0, g1, g, K, a, out); break;
         case 3: pair_dot_t<QT, 3, R>(g0, g1, g, K, a, out); break;
         case 2: pair_dot_t<QT, 2, R>(g0, g1, g, K, a, out); break;
