@@ -132,3 +132,27 @@ def test_row_bytes_match_gguf():
     for name in GGUF_TYPES:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[name]]
         assert row_bytes(FORMATS[name].id, 1024) == 1024 // block * size
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", GGUF_TYPES + OWN_TYPES)
+@pytest.mark.parametrize("bits", [8, 16])
+def test_few_rows_match_one_row_at_a_time(variant, name, bits):
+    """M rows in one call give each row exactly what it gets alone (what --batch-invariant relies
+    on): the rows share each decoded weight chunk (up to 8 rows with AVX-512, 4 on AVX2) but not
+    their arithmetic. Odd shapes: 45 and 13 output rows (a lone last group of 8, a partial one),
+    K of one to three blocks; a zero row and a large one."""
+    ops, qt = quant_ops(variant), FORMATS[name].id
+    rng = np.random.default_rng(11)
+    for rows, k in [(45, 3 * FORMATS[name].block), (13, FORMATS[name].block * (2 if FORMATS[name].block < 256 else 1))]:
+        packed = _packed(variant, name, random_blocks(name, rows, k, rng))
+        x = torch.from_numpy(rng.standard_normal((16, k)).astype(np.float32))
+        x[1] = 0.0
+        x[2] *= 1e3
+        single = torch.empty(16, rows)
+        for i in range(16):
+            ops.qlinear(single[i:i + 1], x[i:i + 1], [packed], [qt], [rows], None, 0, bits)
+        for m in (1, 2, 3, 5, 8, 13, 16):
+            out = torch.empty(m, rows)
+            ops.qlinear(out, x[:m], [packed], [qt], [rows], None, 0, bits)
+            assert torch.equal(out, single[:m]), f"{m} rows"

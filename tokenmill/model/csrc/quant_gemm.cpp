@@ -3,10 +3,11 @@
 //   qlinear:   out[M, N] = x[M, K] . W^T (+ bias), W given as one or more row shards of any format
 //              (a merged qkv whose q/k are Q4_K and v is Q6_K is one call, one thread fork).
 //   dequantize / embedding: rows of W as floats (tests, the many-row path, token embeddings).
-// Few rows (decode): activations are quantized to int8 per 32 (scale dx), and each chunk of 8 rows x
-// 32 weights is 4 integer dot products (VNNI vpdpbusd, or vpmaddubsw + vpmaddwd) whose lanes are
-// the 8 output rows, so the weights are read once per call, as packed as they are stored, with no
-// horizontal sums. Up to 4 activation rows share each decoded chunk.
+// Few rows (decode, verification): activations are quantized to int8 per 32 (scale dx), and each
+// chunk of 8 rows x 32 weights is integer dot products (VNNI vpdpbusd, or vpmaddubsw + vpmaddwd)
+// whose lanes are output rows, so the weights are read once per call, as packed as they are
+// stored, with no horizontal sums. Each decoded chunk serves several activation rows: up to 4 in
+// group_dot (AVX2, scalar), up to 8 with 16 output rows per zmm in quant_gemm_rows.cpp (AVX-512).
 // Many rows (prefill): dequantize a slab of W to the activation dtype and hand it to the dense
 // GEMM (oneDNN), whose throughput wins once the weights are reused enough.
 // Compiled once per ISA variant (quant_kernels.py): the SIMD paths below follow the flags.
@@ -20,189 +21,12 @@
 #include <cmath>
 #include <vector>
 
-#include "quant_x8.h"
-
-#ifndef TM_QUANT_NS
-#define TM_QUANT_NS tokenmill_q_scalar
-#endif
+#include "quant_act.h"
 
 namespace {
 
 using namespace tmq;
-
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-constexpr bool kVNNI = true;
-#else
-constexpr bool kVNNI = false;
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr bool kZmm = true;
-#else
-constexpr bool kZmm = false;
-#endif
-
-// One quantized activation row: x ~ dx * xq per chunk c of 32, xq[K] int8 (|xq| <= 127), or with
-// `fine` activations x ~ dx * (xq + xr / 256) (a second int8 for the rounding residual: ~16-bit
-// precision for twice the dot products). Per chunk: dx[c], and dx * sum(xq (+ xr / 256)) over the
-// chunk (s[c]) and its halves (sa[c], sb[c]). With AVX-512, xp[c][k] is the 64-byte vector that
-// meets Uk (its groups 2k, 2k+1 each broadcast to 8 lanes), and xpr the same of xr.
-struct ActRow {
-  const int8_t* q;
-  const float* dx;
-  const float* s;
-  const float* sa;
-  const float* sb;
-  const uint8_t* xp;
-  const int8_t* qr;
-  const uint8_t* xpr;
-};
-
-inline int64_t act_part_bytes(int64_t K) { return K + (kZmm ? K / 32 * 256 : 0); }
-inline int64_t act_row_bytes(int64_t K) { return K / 32 * 16 + 2 * act_part_bytes(K); }
-
-inline ActRow act_row(const uint8_t* base, int64_t K) {
-  const int64_t C = K / 32, P = act_part_bytes(K);
-  const float* f = reinterpret_cast<const float*>(base);
-  const uint8_t* q = base + C * 16;
-  return {reinterpret_cast<const int8_t*>(q), f, f + C, f + 2 * C, f + 3 * C, q + K,
-          reinterpret_cast<const int8_t*>(q + P), q + P + K};
-}
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-inline void prepare_x(const int8_t* q, int64_t C, uint8_t* xp) {
-  for (int64_t c = 0; c < C; ++c) {
-    const __m512i xc = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32)));
-    for (int k = 0; k < 4; ++k) {
-      const __m512i idx = _mm512_set_epi32(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
-                                           2 * k + 1, 2 * k + 1, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k);
-      _mm512_storeu_si512(xp + (c * 4 + k) * 64, _mm512_permutexvar_epi32(idx, xc));
-    }
-  }
-}
-#endif
-
-template <typename T>
-void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine) {
-  const int64_t C = K / 32;
-  float* dx = reinterpret_cast<float*>(dst);
-  float *s = dx + C, *sa = dx + 2 * C, *sb = dx + 3 * C;
-  int8_t* q = reinterpret_cast<int8_t*>(dst + C * 16);
-  int8_t* qr = reinterpret_cast<int8_t*>(dst + C * 16 + act_part_bytes(K));
-  float xf[32];
-  for (int64_t c = 0; c < C; ++c) {
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) {
-      xf[i] = static_cast<float>(x[c * 32 + i]);
-      amax = std::max(amax, std::fabs(xf[i]));
-    }
-    const float scale = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    int s0 = 0, s1 = 0, r0 = 0, r1 = 0;
-    for (int i = 0; i < 32; ++i) {
-      const float y = xf[i] * inv;
-      const int v = static_cast<int>(std::nearbyint(y));  // |v| <= 127: never -128
-      q[c * 32 + i] = static_cast<int8_t>(v);
-      (i < 16 ? s0 : s1) += v;
-      if (fine) {
-        const int w = std::clamp(static_cast<int>(std::nearbyint((y - v) * 256.f)), -127, 127);
-        qr[c * 32 + i] = static_cast<int8_t>(w);
-        (i < 16 ? r0 : r1) += w;
-      }
-    }
-    dx[c] = scale;
-    sa[c] = scale * (s0 + r0 / 256.f);
-    sb[c] = scale * (s1 + r1 / 256.f);
-    s[c] = sa[c] + sb[c];
-  }
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  prepare_x(q, C, dst + C * 16 + K);
-  if (fine) prepare_x(qr, C, dst + C * 16 + act_part_bytes(K) + K);
-#endif
-}
-
-#if defined(__AVX2__)
-inline __m256i bits_to_bytes(uint32_t bits, uint8_t value) {  // bit i -> byte i = value or 0
-  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
-  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(static_cast<char>(value)));
-}
-
-// ymm j of a chunk: lanes = rows 0-7, bytes = weights 4j..4j+3 of each row (j = 2k + lane half of Uk).
-template <int BITS>
-inline void decode_ymm(const uint8_t* body, __m256i u[8]) {
-  auto ld = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
-  if constexpr (BITS == 8) {
-    for (int j = 0; j < 8; ++j) u[j] = ld(body + 32 * j);
-  } else {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int j = 0; j < 4; ++j) {  // bytes 32j.. hold U(j/2) half j%2 (low nibbles), U(j/2 + 2) (high)
-      const __m256i h = ld(body + 32 * j);
-      u[j] = _mm256_and_si256(h, m4);
-      u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(h, 4), m4);
-    }
-    if constexpr (BITS >= 5) {
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bits;
-        std::memcpy(&bits, body + 128 + 4 * j, 4);
-        u[j] = _mm256_or_si256(u[j], bits_to_bytes(bits, 0x10));
-      }
-    }
-    if constexpr (BITS == 6) {
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bits;
-        std::memcpy(&bits, body + 160 + 4 * j, 4);
-        u[j] = _mm256_or_si256(u[j], bits_to_bytes(bits, 0x20));
-      }
-    }
-  }
-}
-#endif
-
-// Scales of a chunk as 8-row vectors (AVX2+): w = d * u + off, per half when two_scales.
-#if defined(__AVX2__)
-struct ChunkVec {
-  __m256 da, db, oa, ob;
-};
-
-inline __m256 ld_ph8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline __m256 ld_u8x8(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline __m256 ld_i8x8(const uint8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-template <int QT>
-inline void chunk_vec(const uint8_t* group, const uint8_t* h, int k, ChunkVec& v) {
-  if constexpr (QT == Q4_0 || QT == Q5_0 || QT == Q8_0) {
-    v.da = ld_ph8(h);
-    v.oa = _mm256_mul_ps(v.da, _mm256_set1_ps(QT == Q4_0 ? -8.f : QT == Q5_0 ? -16.f : 0.f));
-  } else if constexpr (QT == Q4_1 || QT == Q5_1 || QT == I4_G128) {
-    v.da = ld_ph8(h);
-    v.oa = ld_ph8(h + 16);
-  } else if constexpr (QT == I8_ROW) {
-    v.da = _mm256_loadu_ps(reinterpret_cast<const float*>(group));
-    v.oa = _mm256_setzero_ps();
-  } else if constexpr (QT == Q4_K || QT == Q5_K) {
-    v.da = _mm256_mul_ps(ld_ph8(h), ld_u8x8(h + 32 + 8 * k));
-    v.oa = _mm256_mul_ps(ld_ph8(h + 16), _mm256_mul_ps(ld_u8x8(h + 96 + 8 * k), _mm256_set1_ps(-1.f)));
-  } else {  // Q6_K
-    const __m256 d = ld_ph8(h);
-    v.da = _mm256_mul_ps(d, ld_i8x8(h + 16 + 16 * k));
-    v.db = _mm256_mul_ps(d, ld_i8x8(h + 24 + 16 * k));
-    v.oa = _mm256_mul_ps(v.da, _mm256_set1_ps(-32.f));
-    v.ob = _mm256_mul_ps(v.db, _mm256_set1_ps(-32.f));
-  }
-  if constexpr (QT != Q6_K) {
-    v.db = v.da;
-    v.ob = v.oa;
-  }
-}
-#endif
-
-template <int QT> constexpr int kBits = QT == Q8_0 || QT == I8_ROW ? 8 : QT == Q6_K ? 6 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) ? 5 : 4;
-template <int QT> constexpr bool kSignedQ = QT == Q8_0 || QT == I8_ROW;
+using namespace TM_QUANT_NS;
 
 // out[m][r] (m < MR, r < 8) = row r of a group . activation row m
 template <int QT, int MR, bool RES>
@@ -220,53 +44,7 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
     const uint8_t* body = h + g.block_head + k * g.body;
     ChunkVec v;
     chunk_vec<QT>(group, h, k, v);
-    if constexpr (kSigned && kVNNI) {  // dot products run on q + 128
-      v.oa = _mm256_mul_ps(v.da, _mm256_set1_ps(-128.f));
-      v.ob = v.oa;
-    }
     __m256i ra[MR], rb[MR];
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    __m512i U[4];
-    {
-      __m256i u[8];
-      decode_ymm<kBits<QT>>(body, u);
-      for (int j = 0; j < 4; ++j) {
-        U[j] = _mm512_inserti64x4(_mm512_castsi256_si512(u[2 * j]), u[2 * j + 1], 1);
-        if constexpr (kSigned && kVNNI) U[j] = _mm512_xor_si512(U[j], _mm512_set1_epi8(-128));
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      auto dots = [&](const uint8_t* xp, __m256i& oa, __m256i& ob) {
-      auto dp = [&](__m512i acc_i, int j) {
-        const __m512i x = _mm512_loadu_si512(xp + 64 * j);
-        if constexpr (kVNNI) {
-          return _mm512_dpbusd_epi32(acc_i, U[j], x);
-        } else if constexpr (kSigned) {
-          const __mmask64 neg = _mm512_movepi8_mask(U[j]);
-          const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
-          return _mm512_add_epi32(acc_i, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(U[j]), xs),
-                                                           _mm512_set1_epi16(1)));
-        } else {
-          return _mm512_add_epi32(acc_i, _mm512_madd_epi16(_mm512_maddubs_epi16(U[j], x), _mm512_set1_epi16(1)));
-        }
-      };
-      auto fold = [](__m512i z) { return _mm256_add_epi32(_mm512_castsi512_si256(z), _mm512_extracti64x4_epi64(z, 1)); };
-      if constexpr (kTwo) {
-        oa = fold(dp(dp(_mm512_setzero_si512(), 0), 1));
-        ob = fold(dp(dp(_mm512_setzero_si512(), 2), 3));
-      } else {
-        oa = fold(dp(dp(dp(dp(_mm512_setzero_si512(), 0), 1), 2), 3));
-      }
-      };
-      dots(a[m].xp + c * 256, ra[m], rb[m]);
-      if constexpr (RES) {  // x = dx (xq + xr / 256): combine as 256 xq.u + xr.u (fits int32)
-        __m256i fa, fb;
-        dots(a[m].xpr + c * 256, fa, fb);
-        ra[m] = _mm256_add_epi32(_mm256_slli_epi32(ra[m], 8), fa);
-        if constexpr (kTwo) rb[m] = _mm256_add_epi32(_mm256_slli_epi32(rb[m], 8), fb);
-      }
-    }
-#else
     __m256i u[8];
     decode_ymm<kBits<QT>>(body, u);
     for (int m = 0; m < MR; ++m) {
@@ -299,7 +77,6 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
         if constexpr (kTwo) rb[m] = _mm256_add_epi32(_mm256_slli_epi32(rb[m], 8), fb);
       }
     }
-#endif
     for (int m = 0; m < MR; ++m) {
       const __m256 dx = _mm256_set1_ps(RES ? a[m].dx[c] / 256.f : a[m].dx[c]);
       if constexpr (kTwo) {
@@ -341,23 +118,6 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < 8; ++r) out[m][r] = acc[m][r];
 #endif
-}
-
-template <typename Fn>
-bool dispatch_qtype(int qtype, Fn&& f) {
-  switch (qtype) {
-    case Q4_0: f(std::integral_constant<int, Q4_0>{}); return true;
-    case Q4_1: f(std::integral_constant<int, Q4_1>{}); return true;
-    case Q5_0: f(std::integral_constant<int, Q5_0>{}); return true;
-    case Q5_1: f(std::integral_constant<int, Q5_1>{}); return true;
-    case Q8_0: f(std::integral_constant<int, Q8_0>{}); return true;
-    case Q4_K: f(std::integral_constant<int, Q4_K>{}); return true;
-    case Q5_K: f(std::integral_constant<int, Q5_K>{}); return true;
-    case Q6_K: f(std::integral_constant<int, Q6_K>{}); return true;
-    case I8_ROW: f(std::integral_constant<int, I8_ROW>{}); return true;
-    case I4_G128: f(std::integral_constant<int, I4_G128>{}); return true;
-    default: return false;
-  }
 }
 
 // Rows [r0, r1) of a packed weight as floats (dst row stride K).
@@ -413,6 +173,35 @@ std::vector<Shard> make_shards(const std::vector<at::Tensor>& weights, at::IntAr
   return shards;
 }
 
+// 16 output rows (two x8 groups) per work item, kPairRows activation rows per decoded chunk
+template <typename TO>
+void qgemm_pairs(const ActRow* rows, int64_t M, int64_t K, const std::vector<Shard>& shards, TO* out, int64_t ldo,
+                 const float* bias, bool fine) {
+  std::vector<int64_t> starts{0};
+  for (const Shard& s : shards) starts.push_back(starts.back() + (s.rows + 15) / 16);
+  at::parallel_for(0, starts.back(), 2, [&](int64_t b, int64_t e) {
+    size_t si = 0;
+    for (int64_t item = b; item < e; ++item) {
+      while (item >= starts[si + 1]) ++si;
+      const Shard& sh = shards[si];
+      const int64_t pi = item - starts[si];
+      const uint8_t* g0 = sh.w + 2 * pi * sh.gb;
+      const uint8_t* g1 = 16 * pi + 8 < sh.rows ? g0 + sh.gb : g0;  // a lone last group runs twice
+      const int nr = static_cast<int>(std::min<int64_t>(16, sh.rows - pi * 16));
+      const int64_t col = sh.first + pi * 16;
+      const int64_t tile = (M + (M + kPairRows - 1) / kPairRows - 1) / ((M + kPairRows - 1) / kPairRows);  // even tiles
+      for (int64_t m0 = 0; m0 < M; m0 += tile) {
+        const int mr = static_cast<int>(std::min<int64_t>(tile, M - m0));
+        float res[kPairRows][16];
+        pair_dot(sh.qtype, g0, g1, K, rows + m0, mr, fine, res);
+        for (int m = 0; m < mr; ++m)
+          for (int r = 0; r < nr; ++r)
+            out[(m0 + m) * ldo + col + r] = static_cast<TO>(res[m][r] + (bias ? bias[col + r] : 0.f));
+      }
+    }
+  });
+}
+
 template <typename TX, typename TO>
 void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& shards, TO* out, int64_t ldo,
                   const float* bias, bool fine) {
@@ -424,6 +213,7 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
   });
   std::vector<ActRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = act_row(abase + m * arb, K);
+  if constexpr (kZmm) return qgemm_pairs(rows.data(), M, K, shards, out, ldo, bias, fine);
   // work items: groups of 8 rows over all shards
   std::vector<int64_t> starts{0};
   for (const Shard& s : shards) starts.push_back(starts.back() + (s.rows + 7) / 8);

@@ -1,0 +1,196 @@
+// What the packed GEMM kernels share (quant_gemm.cpp: the one-row/x8 path and the dequantize
+// path; quant_gemm_rows.cpp: the few-row path): the int8 activation rows and the SIMD decoding of
+// an x8 chunk (quant_x8.h) into bytes and per-row scale vectors.
+// Everything lives in the variant's own namespace (TM_QUANT_NS, one per ISA build), so that two
+// variants' libraries in one process never share an inline function compiled for another ISA.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+#include "quant_x8.h"
+
+#ifndef TM_QUANT_NS
+#define TM_QUANT_NS tokenmill_q_scalar
+#endif
+
+namespace TM_QUANT_NS {
+
+using namespace tmq;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVNNI = true;
+#else
+constexpr bool kVNNI = false;
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kZmm = true;
+#else
+constexpr bool kZmm = false;
+#endif
+
+// One quantized activation row: x ~ dx * xq per chunk c of 32, xq[K] int8 (|xq| <= 127), or with
+// `fine` activations x ~ dx * (xq + xr / 256) (a second int8 for the rounding residual: ~16-bit
+// precision for twice the dot products). Per chunk: dx[c], and dx * sum(xq (+ xr / 256)) over the
+// chunk (s[c]) and its halves (sa[c], sb[c]).
+struct ActRow {
+  const int8_t* q;
+  const float* dx;
+  const float* s;
+  const float* sa;
+  const float* sb;
+  const int8_t* qr;
+};
+
+inline int64_t act_row_bytes(int64_t K) { return K / 32 * 16 + 2 * K; }
+
+inline ActRow act_row(const uint8_t* base, int64_t K) {
+  const int64_t C = K / 32;
+  const float* f = reinterpret_cast<const float*>(base);
+  const int8_t* q = reinterpret_cast<const int8_t*>(base + C * 16);
+  return {q, f, f + C, f + 2 * C, f + 3 * C, q + K};
+}
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine) {
+  const int64_t C = K / 32;
+  float* dx = reinterpret_cast<float*>(dst);
+  float *s = dx + C, *sa = dx + 2 * C, *sb = dx + 3 * C;
+  int8_t* q = reinterpret_cast<int8_t*>(dst + C * 16);
+  int8_t* qr = q + K;
+  float xf[32];
+  for (int64_t c = 0; c < C; ++c) {
+    float amax = 0.f;
+    for (int i = 0; i < 32; ++i) {
+      xf[i] = static_cast<float>(x[c * 32 + i]);
+      amax = std::max(amax, std::fabs(xf[i]));
+    }
+    const float scale = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int s0 = 0, s1 = 0, r0 = 0, r1 = 0;
+    for (int i = 0; i < 32; ++i) {
+      const float y = xf[i] * inv;
+      const int v = static_cast<int>(std::nearbyint(y));  // |v| <= 127: never -128
+      q[c * 32 + i] = static_cast<int8_t>(v);
+      (i < 16 ? s0 : s1) += v;
+      if (fine) {
+        const int w = std::clamp(static_cast<int>(std::nearbyint((y - v) * 256.f)), -127, 127);
+        qr[c * 32 + i] = static_cast<int8_t>(w);
+        (i < 16 ? r0 : r1) += w;
+      }
+    }
+    dx[c] = scale;
+    sa[c] = scale * (s0 + r0 / 256.f);
+    sb[c] = scale * (s1 + r1 / 256.f);
+    s[c] = sa[c] + sb[c];
+  }
+}
+
+#if defined(__AVX2__)
+inline __m256i bits_to_bytes(uint32_t bits, uint8_t value) {  // bit i -> byte i = value or 0
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
+  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(static_cast<char>(value)));
+}
+
+// ymm j of a chunk: lanes = rows 0-7, bytes = weights 4j..4j+3 of each row.
+template <int BITS>
+inline void decode_ymm(const uint8_t* body, __m256i u[8]) {
+  auto ld = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  if constexpr (BITS == 8) {
+    for (int j = 0; j < 8; ++j) u[j] = ld(body + 32 * j);
+  } else {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {  // bytes 32j.. hold U(j/2) half j%2 (low nibbles), U(j/2 + 2) (high)
+      const __m256i h = ld(body + 32 * j);
+      u[j] = _mm256_and_si256(h, m4);
+      u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(h, 4), m4);
+    }
+    if constexpr (BITS >= 5) {
+      for (int j = 0; j < 8; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, body + 128 + 4 * j, 4);
+        u[j] = _mm256_or_si256(u[j], bits_to_bytes(bits, 0x10));
+      }
+    }
+    if constexpr (BITS == 6) {
+      for (int j = 0; j < 8; ++j) {
+        uint32_t bits;
+        std::memcpy(&bits, body + 160 + 4 * j, 4);
+        u[j] = _mm256_or_si256(u[j], bits_to_bytes(bits, 0x20));
+      }
+    }
+  }
+}
+#endif
+
+// Scales of a chunk as 8-row vectors (AVX2+): w = d * u + off, per half when two_scales.
+#if defined(__AVX2__)
+struct ChunkVec {
+  __m256 da, db, oa, ob;
+};
+
+inline __m256 ld_ph8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 ld_u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 ld_i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int QT>
+inline void chunk_vec(const uint8_t* group, const uint8_t* h, int k, ChunkVec& v) {
+  if constexpr (QT == Q4_0 || QT == Q5_0 || QT == Q8_0) {
+    v.da = ld_ph8(h);
+    v.oa = _mm256_mul_ps(v.da, _mm256_set1_ps(QT == Q4_0 ? -8.f : QT == Q5_0 ? -16.f : 0.f));
+  } else if constexpr (QT == Q4_1 || QT == Q5_1 || QT == I4_G128) {
+    v.da = ld_ph8(h);
+    v.oa = ld_ph8(h + 16);
+  } else if constexpr (QT == I8_ROW) {
+    v.da = _mm256_loadu_ps(reinterpret_cast<const float*>(group));
+    v.oa = _mm256_setzero_ps();
+  } else if constexpr (QT == Q4_K || QT == Q5_K) {
+    v.da = _mm256_mul_ps(ld_ph8(h), ld_u8x8(h + 32 + 8 * k));
+    v.oa = _mm256_mul_ps(ld_ph8(h + 16), _mm256_mul_ps(ld_u8x8(h + 96 + 8 * k), _mm256_set1_ps(-1.f)));
+  } else {  // Q6_K
+    const __m256 d = ld_ph8(h);
+    v.da = _mm256_mul_ps(d, ld_i8x8(h + 16 + 16 * k));
+    v.db = _mm256_mul_ps(d, ld_i8x8(h + 24 + 16 * k));
+    v.oa = _mm256_mul_ps(v.da, _mm256_set1_ps(-32.f));
+    v.ob = _mm256_mul_ps(v.db, _mm256_set1_ps(-32.f));
+  }
+  if constexpr (QT != Q6_K) {
+    v.db = v.da;
+    v.ob = v.oa;
+  }
+}
+#endif
+
+template <int QT> constexpr int kBits = QT == Q8_0 || QT == I8_ROW ? 8 : QT == Q6_K ? 6 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) ? 5 : 4;
+template <int QT> constexpr bool kSignedQ = QT == Q8_0 || QT == I8_ROW;
+
+template <typename Fn>
+bool dispatch_qtype(int qtype, Fn&& f) {
+  switch (qtype) {
+    case Q4_0: f(std::integral_constant<int, Q4_0>{}); return true;
+    case Q4_1: f(std::integral_constant<int, Q4_1>{}); return true;
+    case Q5_0: f(std::integral_constant<int, Q5_0>{}); return true;
+    case Q5_1: f(std::integral_constant<int, Q5_1>{}); return true;
+    case Q8_0: f(std::integral_constant<int, Q8_0>{}); return true;
+    case Q4_K: f(std::integral_constant<int, Q4_K>{}); return true;
+    case Q5_K: f(std::integral_constant<int, Q5_K>{}); return true;
+    case Q6_K: f(std::integral_constant<int, Q6_K>{}); return true;
+    case I8_ROW: f(std::integral_constant<int, I8_ROW>{}); return true;
+    case I4_G128: f(std::integral_constant<int, I4_G128>{}); return true;
+    default: return false;
+  }
+}
+
+// The AVX-512 kernel (quant_gemm_rows.cpp): out[m][r] = row r of the 16 rows of groups g0 (rows
+// 0-7) and g1 (8-15) . activation row m, for m < mr <= kPairRows; false when this variant has none.
+constexpr int kPairRows = 8;
+bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const ActRow* a, int mr, bool fine,
+              float out[][16]);
+
+}  // namespace TM_QUANT_NS
