@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
-import os
 import queue
-import select
 import threading
 import uuid
 from collections import deque
@@ -25,6 +23,7 @@ from collections.abc import Callable
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import SchedulerLoad, SchedulerStats
+from tokenmill.engine.async_streams import RequestStream, Waker, resolve
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.stats import StatLogger
 from tokenmill.errors import EngineDeadError, EngineStepError, InvalidRequestError, ServiceUnavailableError
@@ -39,7 +38,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = _Waker()
+        self._wake = Waker()
         self._streams: dict[str, asyncio.Queue] = {}  # event-loop thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -174,10 +173,11 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences not yet admitted to a batch (read from the event loop): the core's waiting queue
-        at its last step plus those submitted since, which a core in another process has not
-        reported yet (its stats alone lag, and a burst would all pass a queue-length check)."""
-        return self.load().num_waiting
+        """Requests in flight beyond the batch's slots (read from the event loop): counted from this
+        side's own streams, so a burst counts at once, whatever the core (in this process or
+        another) has reported so far."""
+        config = self.engine.config
+        return max(0, len(self._streams) - config.scheduler.max_num_seqs * config.parallel.data_parallel_size)
 
     # --- requests ---------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
@@ -209,7 +209,8 @@ class AsyncLLMEngine:
         self._submit(("add", processed))
         return stream
 
-    def _release(self, request_id: str, abort: bool) -> None:
+    def release_request(self, request_id: str, abort: bool) -> None:
+        """A stream's consumer is done with it (aborting the request unless it finished)."""
         self._streams.pop(request_id, None)
         if abort:
             self.abort(request_id)
@@ -249,7 +250,7 @@ class AsyncLLMEngine:
                 self._num_drained += 1
             if kind == "call":
                 method, future = arg
-                self.engine.call_core(method, lambda value, f=future: self._post(_resolve, f, value))
+                self.engine.call_core(method, lambda value, f=future: self._post(resolve, f, value))
                 continue
             try:
                 self.engine.add_processed(arg)
@@ -305,88 +306,3 @@ class AsyncLLMEngine:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.put_nowait(error)
-
-
-class _Waker:
-    """A threading.Event that a zmq poll can also wait on (a pipe: set() makes it readable)."""
-
-    def __init__(self):
-        self._r, self._w = os.pipe()
-        os.set_blocking(self._r, False)
-        os.set_blocking(self._w, False)
-
-    def fileno(self) -> int:
-        return self._r
-
-    def set(self) -> None:
-        try:
-            os.write(self._w, b"x")
-        except (BlockingIOError, OSError):  # already set (pipe full), or closed at shutdown
-            pass
-
-    def clear(self) -> None:
-        try:
-            while os.read(self._r, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-
-    def wait(self, timeout: float) -> None:
-        select.select([self._r], [], [], timeout)
-
-    def __del__(self):
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
-def _resolve(future: asyncio.Future, value) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-class RequestStream:
-    """Async iterator over one request's outputs. Closing it early (aclose, or dropping it) aborts
-    the request in the engine."""
-
-    def __init__(self, engine: AsyncLLMEngine, request_id: str):
-        self.engine = engine
-        self.request_id = request_id
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.done = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.done:
-            raise StopAsyncIteration
-        try:
-            item = await self.queue.get()
-        except BaseException:  # cancelled while waiting: the consumer is gone
-            self._close(abort=True)
-            raise
-        if isinstance(item, BaseException):
-            self._close(abort=False)  # the engine already dropped it
-            raise item
-        if item.finished:
-            self._close(abort=False)
-        return item
-
-    async def aclose(self) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop consuming: aborts the request if it has not finished."""
-        self._close(abort=True)
-
-    def _close(self, abort: bool) -> None:
-        if not self.done:
-            self.done = True
-            self.engine._release(self.request_id, abort)
-
-    def __del__(self):
-        if not self.done:  # dropped without being closed: do not leave the request running
-            self.engine._release(self.request_id, abort=True)

@@ -50,11 +50,11 @@ class EngineCore:
         faults.install_core(self)  # test-only switches; nothing when unset
 
     @staticmethod
-    def prefetch(config: EngineConfig) -> None:
+    def prefetch(config: EngineConfig, load: bool = True) -> None:
         """Start the slow parts that do not need the model (see Worker.prefetch)."""
         from tokenmill.worker.worker import Worker
 
-        Worker.prefetch(config)
+        Worker.prefetch(config, load)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         req = Request.from_engine_core_request(request)

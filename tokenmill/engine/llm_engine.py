@@ -61,10 +61,12 @@ class LLMEngine:
         chat_template = load_chat_template(config.model.chat_template)  # fail before the slow part
         if multiprocess is None:
             multiprocess = bool(config.parallel.engine_core_process)
-        if not multiprocess and config.parallel.data_parallel_size == 1:
-            from tokenmill.engine.engine_core import EngineCore
+        from tokenmill.engine.engine_core import EngineCore
 
-            EngineCore.prefetch(config)  # a cold start's kernel build runs while the model loads
+        # a cold start's kernel builds run while the model loads; a core in another process loads
+        # what this one builds (it waits on the build's file lock), so they also overlap reading
+        # the GGUF here, before that process starts
+        EngineCore.prefetch(config, load=not multiprocess and config.parallel.data_parallel_size == 1)
         self.source = resolve_model(config.model.model)
         self.model_config = load_model_config(self.source)
         # The tokenizer (importing transformers: ~1.3 s of Python) loads while the weights load (in

@@ -48,6 +48,10 @@ def _isa_flags() -> list[str]:
     return []
 
 
+def _cflags() -> list[str]:
+    return ["-O3", "-fopenmp", *_isa_flags()]
+
+
 def _openmp_ldflags() -> list[str]:
     """Link torch's bundled libgomp, not the system's: one OpenMP runtime, one thread pool."""
     lib = os.path.join(os.path.dirname(torch.__file__), "lib")
@@ -65,10 +69,20 @@ def load_cpu_kernels() -> bool:
         return _loaded
 
 
-def start_build() -> None:
+def start_build(load: bool = True) -> None:
     """Build (or load) the kernels on a thread now, so that a first build (a compiler subprocess)
-    overlaps the model's loading; load_cpu_kernels() then waits for its result."""
-    threading.Thread(target=load_cpu_kernels, name="tokenmill-kernels", daemon=True).start()
+    overlaps the model's loading; load_cpu_kernels() then waits for its result. `load=False`: only
+    build into the cache, for another process (the engine core) that will load it."""
+    threading.Thread(target=load_cpu_kernels if load else _build_only, name="tokenmill-kernels", daemon=True).start()
+
+
+def _build_only() -> None:
+    if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
+        return
+    try:
+        build_library(_NAME, _SOURCES, _cflags())
+    except Exception:  # noqa: BLE001 - the process that loads the kernels says why
+        pass
 
 
 def _unavailable(reason: str) -> bool:
@@ -82,7 +96,7 @@ def _build_and_load() -> bool:
     if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
         return _unavailable("TOKENMILL_DISABLE_CPU_KERNELS is set")
     try:
-        torch.ops.load_library(str(build_library(_NAME, _SOURCES, ["-O3", "-fopenmp", *_isa_flags()])))
+        torch.ops.load_library(str(build_library(_NAME, _SOURCES, _cflags())))
         return all(hasattr(torch.ops.tokenmill, op) for op in _OPS)
     except CompilerNotFound as e:
         return _unavailable(str(e))

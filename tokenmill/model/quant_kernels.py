@@ -53,18 +53,23 @@ def supported_variants() -> list[str]:
     return sorted({_LEVEL_VARIANT[lv] for lv in ISA_LEVELS[:hw + 1]}, key=list(VARIANT_FLAGS).index)
 
 
+def _build(kind: str, variant: str) -> Path:
+    from tokenmill.model.kernels import build_library
+
+    sources, prefix = LIBRARIES[kind]
+    flags = ["-O3", "-fopenmp", f"-DTM_QUANT_NS={prefix}_{variant}", *VARIANT_FLAGS[variant]]
+    return build_library(f"tokenmill_{kind}_{variant}", sources, flags, HEADERS, unity=False)
+
+
 def _library(kind: str, variant: str | None):
-    from tokenmill.model.kernels import build_error_line, build_library
+    from tokenmill.model.kernels import build_error_line
 
     variant = variant or variant_for(active_isa())
-    sources, prefix = LIBRARIES[kind]
-    ns = f"{prefix}_{variant}"
+    ns = f"{LIBRARIES[kind][1]}_{variant}"
     with _lock:
         if ns not in _loaded:
-            flags = ["-O3", "-fopenmp", f"-DTM_QUANT_NS={ns}", *VARIANT_FLAGS[variant]]
             try:
-                torch.ops.load_library(str(build_library(f"tokenmill_{kind}_{variant}", sources, flags, HEADERS,
-                                                         unity=False)))
+                torch.ops.load_library(str(_build(kind, variant)))
             except Exception as e:
                 raise RuntimeError(f"tokenmill's quantized kernels ({kind}, {variant}) could not be built: "
                                    f"{type(e).__name__}: {build_error_line(e)}") from e
@@ -83,13 +88,14 @@ def quant_kv_ops(variant: str | None = None):
     return _library("quant_kv", variant)
 
 
-def start_build(kind: str = "quant") -> None:
-    """Build (or load) the active variant of a library on a thread now, to overlap the model's loading."""
+def start_build(kind: str = "quant", load: bool = True) -> None:
+    """Build (or load) the active variant of a library on a thread now, to overlap the model's
+    loading; `load=False`: only build into the cache, for another process that will load it."""
     def build():
         try:
-            _library(kind, None)
-        except RuntimeError:
-            pass  # said again, and handled, where the kernels are used
+            _library(kind, None) if load else _build(kind, variant_for(active_isa()))
+        except Exception:  # noqa: BLE001 - said again, and handled, where the kernels are used
+            pass
 
     threading.Thread(target=build, name=f"tokenmill-{kind}-kernels", daemon=True).start()
 

@@ -49,24 +49,25 @@ def rss_bytes() -> int:
 
 class Worker:
     @staticmethod
-    def prefetch(config: EngineConfig) -> None:
+    def prefetch(config: EngineConfig, load: bool = True) -> None:
         """Start now what is slow and does not need the model: the C++ kernels' builds (10-15 s of
         one core each on a cold machine), which then overlap each other and reading the GGUF, the
         weights and the tokenizer. The quantized weight kernels are built unless nothing can use
         them (a model that turns out not to be quantized wastes one build, once per machine); the
-        quantized KV cache's only for such a cache."""
+        quantized KV cache's only for such a cache. `load=False`: build only, for the engine core
+        process that will load them (a front end starts the builds while it reads the GGUF)."""
         if config.model.torch_device.type != "cpu":
             return
         if config.kernel.attention_backend in ("auto", "cpu_paged"):
             from tokenmill.model import kernels
 
-            kernels.start_build()
+            kernels.start_build(load)
         from tokenmill.model import quant_kernels
 
         if config.quant.quantization != "none":
-            quant_kernels.start_build("quant")
+            quant_kernels.start_build("quant", load)
         if config.cache.kv_cache_dtype in ("int8", "fp8_e4m3"):
-            quant_kernels.start_build("quant_kv")
+            quant_kernels.start_build("quant_kv", load)
 
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True,
                  num_threads: int | None = None):
