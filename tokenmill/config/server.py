@@ -17,7 +17,8 @@ class ServerConfig:
     api_key: str | None = field(default=None, metadata={
         "help": "Require 'Authorization: Bearer KEY' on the API (health, metrics and version stay open)."})
     max_queue_len: int = field(default=512, metadata={
-        "help": "Waiting requests beyond which new ones get 429 with Retry-After."})
+        "help": "Waiting requests (those in flight beyond --max-num-seqs) beyond which new ones get 429 "
+                "with Retry-After."})
     request_timeout: float | None = field(default=600.0, metadata={
         "help": "Seconds after which a request is aborted (none: no limit)."})
     shutdown_grace: float = field(default=30.0, metadata={
