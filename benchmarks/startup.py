@@ -20,9 +20,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import httpx
-
-from tokenmill.bench.server_process import free_port
+from tokenmill.utils.net import free_port, wait_healthy
 
 MARKERS = [("imports", "Started server process"), ("weights", "tokenmill.worker.worker: loaded"),
            ("engine", "engine ready"), ("serving", "tokenmill.server: serving")]
@@ -42,15 +40,8 @@ def one_start(extra: list[str], env: dict) -> dict[str, float]:
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(Path(log.name).read_text())
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.02)
+        wait_healthy(f"http://127.0.0.1:{port}", lambda: None if proc.poll() is None else Path(log.name).read_text(),
+                     timeout=900, poll=0.02)
         first_200 = time.time()
     finally:
         proc.terminate()

@@ -3,6 +3,7 @@ as in process, and clean failure when that process dies or when the front end do
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import random
@@ -19,6 +20,7 @@ import pytest
 
 from tests.server_utils import ServerProcess
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
 
 ENGINE = dict(dtype="float32", quantization="none", kv_cache_memory="128MiB", max_model_len=512, max_num_seqs=64,
               progress=False)
@@ -217,3 +219,57 @@ def test_sigterm_stops_the_core_process():
     assert r.status_code == 200
     assert server.stop(signal.SIGTERM) == 0
     core.wait(timeout=10)
+
+
+def test_load_tracker_counts_what_a_stale_report_leaves_out():
+    """A report that predates requests already sent must not count them as taken in (the race
+    in the load the SLO gate reads): it says how many sequences the core had received."""
+    from tokenmill.core.messages import SchedulerLoad, SchedulerStats
+    from tokenmill.engine.load_tracker import LoadTracker
+
+    tracker = LoadTracker()
+    for prompt in (10, 20, 30):
+        tracker.submitted(prompt, 5, 1)
+    tracker.submitted(40, 7, 2)  # n=2: two sequences
+    stale = SchedulerStats(1, 0, 0.0, 0, 0, 0, 0, 0, SchedulerLoad(num_running=1, running_context_tokens=10),
+                           num_received=1)
+    tracker.reported(stale)
+    load = tracker.load()
+    assert (load.num_running, load.num_waiting) == (1, 4)
+    assert (load.waiting_prompt_tokens, load.waiting_decode_tokens) == (20 + 30 + 2 * 40, 5 + 5 + 2 * 7)
+    tracker.lost(2)  # the n=2 request was refused before reaching the core
+    tracker.reported(SchedulerStats(2, 1, 0.0, 0, 0, 0, 0, 0, SchedulerLoad(2, 1), num_received=3))
+    assert tracker.load() == SchedulerLoad(2, 1)
+
+
+@pytest.mark.slow
+def test_async_load_with_a_core_process_counts_every_request_in_flight():
+    """With the core in its own process, every request in flight is counted once, running or
+    waiting, whenever load() is read: none may vanish between being sent and being reported."""
+    from tokenmill.engine.async_engine import AsyncLLMEngine
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    kwargs = {k: v for k, v in ENGINE.items() if k != "progress"}
+    config = EngineConfig.from_kwargs(**{**kwargs, "max_num_seqs": 2})
+    aengine = AsyncLLMEngine(LLMEngine(config, progress=False, multiprocess=True))
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def main():
+        aengine.start()
+        streams, samples = [], []
+        try:
+            for wave in range(4):
+                for i in range(2):
+                    streams.append(aengine.generate(f"wave {wave} request {i}: count", params))
+                for _ in range(20):
+                    load = aengine.load()
+                    samples.append((len(streams), load.num_running + load.num_waiting))
+                    await asyncio.sleep(0.005)
+        finally:
+            for s in streams:
+                aengine.release_request(s.request_id, abort=True)
+            aengine.shutdown()
+        wrong = [s for s in samples if s[0] != s[1]]
+        assert not wrong, f"{len(wrong)} of {len(samples)} reads miscounted (in flight, counted): {wrong[:5]}"
+
+    asyncio.run(main())

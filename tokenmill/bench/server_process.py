@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tokenmill.utils.net import free_port, wait_healthy
 
 
 class ServerProcess:
@@ -44,17 +38,16 @@ class ServerProcess:
             return f.read()
 
     def wait_ready(self, timeout: float = 300.0) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log()}")
+        def exited() -> str | None:
+            if self.proc.poll() is None:
+                return None
+            return f"server exited with {self.proc.returncode}:\n{self.log()}"
+
+        try:
+            wait_healthy(self.url, exited, timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}:\n{self.log()}") from None
+        return self
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:

@@ -143,6 +143,7 @@ class SchedulerStats(msgspec.Struct):
     num_preemptions: int  # cumulative
     load: SchedulerLoad = SchedulerLoad()
     spec_decoding: SpecDecodingStats | None = None
+    num_received: int = 0  # sequences the core has taken in, cumulative (see engine/load_tracker.py)
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

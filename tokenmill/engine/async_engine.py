@@ -18,13 +18,13 @@ import logging
 import queue
 import threading
 import uuid
-from collections import deque
 from collections.abc import Callable
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import SchedulerLoad, SchedulerStats
 from tokenmill.engine.async_streams import RequestStream, Waker, resolve
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.load_tracker import LoadTracker
 from tokenmill.engine.stats import StatLogger
 from tokenmill.errors import EngineDeadError, EngineStepError, InvalidRequestError, ServiceUnavailableError
 from tokenmill.model.model_config import ModelConfig
@@ -44,12 +44,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_error: BaseException | None = None
-        # load(): adds submitted (event loop) and drained by the engine thread, counted alike in
-        # inbox order, so the core's last reported load plus the adds it had not drained is exact
-        self._num_submitted = 0
-        self._num_drained = 0
-        self._pending: deque[tuple[int, int, int, int]] = deque()  # (add number, prompt, max tokens, seqs)
-        self._reported: tuple[int, SchedulerLoad] = (0, SchedulerLoad())
+        self._load = LoadTracker()
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> AsyncLLMEngine:
@@ -121,18 +116,8 @@ class AsyncLLMEngine:
 
     def load(self) -> SchedulerLoad:
         """The work the core holds, as it reported with its last step, plus the requests submitted
-        since that it had not taken in yet (plain data; call from the event loop)."""
-        drained, load = self._reported
-        while self._pending and self._pending[0][0] <= drained:
-            self._pending.popleft()
-        if not self._pending:
-            return load
-        prompt = sum(p * n for _, p, _, n in self._pending)
-        decode = sum(m * n for _, _, m, n in self._pending)
-        seqs = sum(n for *_, n in self._pending)
-        return SchedulerLoad(load.num_running, load.num_waiting + seqs, load.running_context_tokens,
-                             load.running_prefill_tokens, load.running_decode_tokens_left,
-                             load.waiting_prompt_tokens + prompt, load.waiting_decode_tokens + decode)
+        since that it had not received then (plain data; call from the event loop)."""
+        return self._load.load()
 
     @property
     def replica_stats(self):
@@ -203,9 +188,7 @@ class AsyncLLMEngine:
             admit(len(processed.prompt_token_ids), children[0].max_tokens, len(children))
         stream = RequestStream(self, request_id)
         self._streams[request_id] = stream.queue
-        self._num_submitted += 1
-        self._pending.append((self._num_submitted, len(processed.prompt_token_ids), children[0].max_tokens,
-                              len(children)))
+        self._load.submitted(len(processed.prompt_token_ids), children[0].max_tokens, len(children))
         self._submit(("add", processed))
         return stream
 
@@ -246,8 +229,6 @@ class AsyncLLMEngine:
             if kind == "abort":
                 self.engine.abort_request(arg)
                 continue
-            if kind == "add":
-                self._num_drained += 1
             if kind == "call":
                 method, future = arg
                 self.engine.call_core(method, lambda value, f=future: self._post(resolve, f, value))
@@ -256,6 +237,7 @@ class AsyncLLMEngine:
                 self.engine.add_processed(arg)
             except (InvalidRequestError, ServiceUnavailableError) as e:  # e.g. a reused request id: fail
                 # that request, not the engine
+                self._load.lost(len(arg.children))
                 self._post(self._fail, [arg.request_id], e)
 
     def _run(self) -> None:
@@ -264,11 +246,10 @@ class AsyncLLMEngine:
             while not self._stopping:
                 self._drain_inbox()
                 if in_process and not self.engine.has_unfinished_requests():
-                    self._reported = (self._num_drained, SchedulerLoad())  # e.g. after aborts, with no step
+                    self._load.reported(self.engine.scheduler_stats())  # in process: read now
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
-                drained = self._num_drained
                 try:
                     # a core in another process: wait for its next outputs, or for new work to send
                     outputs = self.engine.step(interrupt=None if in_process else self._wake.fileno())
@@ -277,7 +258,7 @@ class AsyncLLMEngine:
                     self._post(self._fail, e.request_ids, e)
                     continue
                 if self.engine.last_scheduler_stats is not None:
-                    self._reported = (drained, self.engine.last_scheduler_stats.load)
+                    self._load.reported(self.engine.last_scheduler_stats)
                 if outputs:
                     self._post(self._dispatch, outputs)
                 for rid, why in self.engine.take_failed().items():

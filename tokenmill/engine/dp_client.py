@@ -60,6 +60,8 @@ class DPClient(EngineCoreClient):
         self.restart = restart
         self._owner: dict[str, tuple[int, int]] = {}  # request id -> (replica, routed cost)
         self._generated = [0] * size
+        self._sent = [0] * size  # sequences sent to each replica's current core
+        self._retired_received = 0  # sequences sent to replicas that died: settled, never reported
         self._retired = {name: 0 for name in _COUNTERS}  # counters of replicas that died
         self._pending: list[BaseException] = []  # raised by the next get_output (outputs came first)
         self._poller = zmq.Poller()
@@ -79,6 +81,7 @@ class DPClient(EngineCoreClient):
         replica = self.router.route(request.prompt_token_ids, cost, request.cache_salt)
         self._owner[request.request_id] = (replica, cost)
         self.replicas[replica].add_request(request)
+        self._sent[replica] += 1
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
@@ -154,6 +157,8 @@ class DPClient(EngineCoreClient):
         last = client.stats()
         for name in _COUNTERS:
             self._retired[name] += getattr(last, name)
+        self._retired_received += self._sent[replica]
+        self._sent[replica] = 0
         client.shutdown()
         self.replicas[replica] = None
         self.router.set_alive(replica, False)
@@ -201,7 +206,8 @@ class DPClient(EngineCoreClient):
         load = SchedulerLoad(*(sum(getattr(s.load, f) for s in alive) for f in SchedulerLoad.__struct_fields__))
         return SchedulerStats(sum(s.num_running for s in alive), sum(s.num_waiting for s in alive),
                               used / total if total else 0.0, used, total,
-                              *(self._retired[n] + sum(getattr(s, n) for s in alive) for n in _COUNTERS), load)
+                              *(self._retired[n] + sum(getattr(s, n) for s in alive) for n in _COUNTERS), load,
+                              num_received=self._retired_received + sum(s.num_received for s in alive))
 
     def call(self, method: str, on_result: Callable) -> None:
         """Ask every live replica; `on_result` gets their results joined (strings concatenated in

@@ -45,6 +45,7 @@ class EngineCore:
                                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec.enabled else None,
                                    spec_policy=SpecPolicy() if spec.enabled and spec.adaptive else None)
         self.num_steps = 0
+        self.num_received = 0  # sequences added, reported with the stats (the front end's load)
         self._draft_seconds = 0.0  # the last step's drafting, for the step that verifies it
         self.step_times: list | None = None  # (StepShape, seconds in the executor) per step, when recording
         faults.install_core(self)  # test-only switches; nothing when unset
@@ -57,6 +58,7 @@ class EngineCore:
         Worker.prefetch(config, load)
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        self.num_received += 1
         req = Request.from_engine_core_request(request)
         if req.params.grammar is not None:  # compiles off this thread; the request waits, others run
             req.grammar_ready = self.executor.prepare_grammar(req.params.grammar)
@@ -79,7 +81,9 @@ class EngineCore:
         self.executor.shutdown()
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        stats.num_received = self.num_received
+        return stats
 
     def kv_block_states(self) -> str:
         return self.kv.pool.block_states()

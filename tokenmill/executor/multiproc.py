@@ -14,7 +14,6 @@ import logging
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 import weakref
 from multiprocessing.connection import wait
@@ -23,17 +22,12 @@ from tokenmill.errors import ConfigError, WorkerDiedError
 from tokenmill.executor import threads_per_rank
 from tokenmill.executor.base import RankedExecutor
 from tokenmill.executor.rank import describe_error
+from tokenmill.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
 _LOAD_TIMEOUT_S = 600.0
 _ERROR_GRACE_S = 10.0  # after one rank's error, how long the others get to report theirs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank, config, source, model_config, init_method, num_threads, conn, log_level, progress):

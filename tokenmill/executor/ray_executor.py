@@ -20,7 +20,7 @@ class _RankActor:
     def node_ip_and_port(self):
         import ray
 
-        from tokenmill.executor.multiproc import free_port
+        from tokenmill.utils.net import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 

@@ -13,42 +13,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+from tokenmill.utils.net import free_port, wait_healthy
+
 logger = logging.getLogger(__name__)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _wait_ready(proc, port: int, timeout: float) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.exitcode is not None:
-            raise RuntimeError(f"the calibration server exited with code {proc.exitcode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("the calibration server did not become ready")
 
 
 def measure_stream_overhead(config, concurrency: int = 8, num_prompts: int = 24, output_len: int = 64,
@@ -61,12 +39,13 @@ def measure_stream_overhead(config, concurrency: int = 8, num_prompts: int = 24,
     from tokenmill.config import ServerConfig
     from tokenmill.entrypoints.openai.launcher import run_server
 
-    port = _free_port()
+    port = free_port()
     proc = mp.get_context("spawn").Process(target=run_server, args=(config, ServerConfig(port=port), "warning"),
                                            name="tokenmill-calibration-server")
     proc.start()
     try:
-        _wait_ready(proc, port, timeout)
+        wait_healthy(f"http://127.0.0.1:{port}", lambda: None if proc.exitcode is None else
+                     f"the calibration server exited with code {proc.exitcode}", timeout)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "run.json"
 
