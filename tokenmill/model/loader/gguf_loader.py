@@ -2,8 +2,9 @@
 row permutation undone), tokenizer and chat template converted by transformers.
 
 Parsing a GGUF header with `gguf.GGUFReader` and converting its tokenizer take seconds, so the
-first load writes the config, a tensor index and the tokenizer under the cache, keyed by the file's
-sha256; later loads memory-map the file and read tensors straight from the index.
+first load writes the config and a tensor index under the cache, keyed by the file's sha256, and
+the first tokenizer load the converted tokenizer beside them; later loads memory-map the file and
+read tensors straight from the index.
 """
 
 from __future__ import annotations
@@ -114,8 +115,6 @@ def _read_tensors(path: Path):
 
 
 def _build_cache(path: Path, target: Path) -> None:
-    from transformers import AutoTokenizer
-
     reader, tensors = _read_tensors(path)
     cfg = _model_config(reader, tensors, path.stem)
     if "rope_freqs.weight" in tensors:
@@ -124,8 +123,6 @@ def _build_cache(path: Path, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
     (tmp / "config.json").write_text(json.dumps(cfg.to_dict()))
     (tmp / "tensors.json").write_text(json.dumps(tensors))
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok.save_pretrained(str(tmp / "tokenizer"))
     publish_dir(tmp, target)
 
 
@@ -143,7 +140,18 @@ def load_config(path: Path) -> ModelConfig:
 
 
 def tokenizer_dir(path: Path) -> Path:
-    return prepare(path) / "tokenizer"
+    """The tokenizer transformers converts from the file, cached apart from the config and tensor
+    index: the conversion (seconds of CPU) then runs beside a cold start's weight loading, not
+    before it."""
+    target = prepare(path) / "tokenizer"
+    if not target.is_dir():
+        from transformers import AutoTokenizer
+
+        remove_stale(target.parent, ".build-*")
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
+        publish_dir(tmp, target)
+    return target
 
 
 def _undo_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
