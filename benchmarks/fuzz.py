@@ -41,7 +41,6 @@ FUZZ_ARGS = ("--max-model-len", "256", "--kv-cache-memory", "64MiB", "--max-num-
 VOCAB = 49152  # the embedded SmolLM2; out-of-vocabulary ids are what matter, not the exact size
 
 
-# --- schemathesis ---------------------------------------------------------------------------------
 
 def run_schemathesis(url: str, max_examples: int, api_key: str | None = None, seed: int | None = None,
                      max_model_len: int = 256, workers: int = 1) -> tuple[int, str, int]:
@@ -68,7 +67,6 @@ def run_schemathesis(url: str, max_examples: int, api_key: str | None = None, se
     return proc.returncode, report, cases
 
 
-# --- the mutation fuzzer ---------------------------------------------------------------------------
 
 SEEDS = [
     ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4}),

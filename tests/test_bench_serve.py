@@ -55,7 +55,6 @@ def check_percentiles(stats: dict, values_ms: list[float]) -> None:
         assert stats[key] == pytest.approx(expected, abs=0.01), key
 
 
-# --- against tokenmill serve ------------------------------------------------------------------------
 
 def test_completions_metrics_are_consistent_and_bounded(server, tmp_path):
     before = server.metrics()
@@ -221,7 +220,6 @@ def test_ctrl_c_stops_cleanly_and_reports_what_finished(server, tmp_path):
     assert server.metrics()[FINISHED] - before <= 40
 
 
-# --- errors before any load -------------------------------------------------------------------------
 
 def test_local_only_unreachable_and_bad_flags_are_one_line_errors(capsys):
     base = ["bench", "serve", "--num-prompts", "1"]
@@ -240,7 +238,6 @@ def test_local_only_unreachable_and_bad_flags_are_one_line_errors(capsys):
         assert message in capsys.readouterr().err
 
 
-# --- pure parts -------------------------------------------------------------------------------------
 
 def test_slo_parsing_and_hand_checked_goodput():
     assert parse_slo("ttft=500ms, tpot=0.1s,e2e=2,itl=50ms") == {"ttft": 0.5, "tpot": 0.1, "e2e": 0.002, "itl": 0.05}
@@ -280,7 +277,6 @@ def test_arrival_times_are_gamma_with_the_asked_mean_rate():
     assert arrival_times(3, math.inf, 1.0, seed=0) == [0.0, 0.0, 0.0]
 
 
-# --- the Hugging Face baseline server ---------------------------------------------------------------
 
 @pytest.mark.slow
 def test_hf_baseline_server_serves_one_request_at_a_time(tmp_path):

@@ -39,7 +39,6 @@ def post(server, path, body, **kw):
     return httpx.post(server.url + path, json=body, timeout=120, **kw)
 
 
-# --- the API, through the openai client ------------------------------------------------------------
 
 def test_models_version_tokenize_detokenize(server, client):
     models = client.models.list().data
@@ -184,7 +183,6 @@ def test_raw_sse_framing(server):
         assert json.loads(e[6:])["object"] == "chat.completion.chunk"
 
 
-# --- errors --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "temperature": -1}, "temperature"),
@@ -233,7 +231,6 @@ def test_unknown_model_is_404(server, client):
         client.chat.completions.create(model="gpt-4", messages=CHAT)
 
 
-# --- lifecycle: disconnects free the KV cache ------------------------------------------------------
 
 def test_stream_disconnect_aborts_and_frees_kv(server):
     server.wait_idle()
@@ -296,7 +293,6 @@ def test_health_answers_under_load(server):
     assert statuses == [200] * 5
 
 
-# --- servers with their own settings -------------------------------------------------------------
 
 def test_api_key():
     srv = ServerProcess("--api-key", "sekret").wait_ready()

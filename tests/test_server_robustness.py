@@ -125,7 +125,6 @@ def test_long_prompts_are_tokenized_off_the_loop_and_served_the_same(server):
     assert r.status_code == 400 and f"your prompt has {count} tokens" in r.json()["error"]["message"]
 
 
-# --- the pieces, without a server ------------------------------------------------------------------
 
 def test_dumps_never_raises():
     out = dumps({"a": "\ud800", "b": float("nan"), "c": [float("-inf")], "\udc00": 1, "d": object()})

@@ -127,7 +127,6 @@ class SamplingParams:
             if self.min_tokens:
                 raise _bad("min_tokens", "cannot be combined with structured outputs")
 
-    # --- engine-side helpers ----------------------------------------------------------------------
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS

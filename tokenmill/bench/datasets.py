@@ -70,7 +70,6 @@ def from_jsonl(path: str, tokenizer, default_output_len: int, num: int | None = 
     return out
 
 
-# --- text prompts for a server: exact token counts measured with the target's own tokenizer ---------
 
 # Common English words; the ones the tokenizer encodes as a single token (with their leading space)
 # build prompts one token per word, which makes exact lengths cheap to hit with any BPE tokenizer.

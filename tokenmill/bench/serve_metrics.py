@@ -152,7 +152,6 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
     }
 
 
-# --- the report -----------------------------------------------------------------------------------
 
 _LATENCIES = (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"), ("e2e_ms", "E2E (ms)"))
 

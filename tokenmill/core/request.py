@@ -7,7 +7,7 @@ import hashlib
 from array import array
 from concurrent.futures import Future
 
-from tokenmill.core.messages import CoreSamplingParams, EngineCoreRequest
+from tokenmill.core.messages import CoreSamplingParams, EngineCoreRequest, SchedulerLoad
 
 
 class RequestStatus(enum.IntEnum):
@@ -96,6 +96,22 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def stop_status(self, token: int, max_model_len: int) -> RequestStatus | None:
+        """Whether `token`, just appended, ends the request (length, EOS or a stop token id); stop
+        strings are the front end's."""
+        p = self.params
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        if self.num_output_tokens < p.min_tokens:
+            return None
+        if token in self.eos_token_ids and not p.ignore_eos:
+            self.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token in self.stop_token_ids:
+            self.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        return None
+
     def update_block_hashes(self, block_size: int) -> list[bytes]:
         """Hashes of every full block of known tokens (computed incrementally)."""
         while (len(self.block_hashes) + 1) * block_size <= self.num_tokens:
@@ -108,3 +124,16 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens})")
+
+
+def load_of(running: list[Request], waiting: list[Request]) -> SchedulerLoad:
+    """The work these requests hold, in tokens."""
+    run_ctx = run_pf = run_left = wait_prompt = wait_dec = 0
+    for r in running:
+        run_ctx += r.num_computed_tokens
+        run_pf += max(r.num_prompt_tokens - r.num_computed_tokens, 0)
+        run_left += r.max_tokens - r.num_output_tokens
+    for r in waiting:
+        wait_prompt += r.num_tokens - r.num_computed_tokens
+        wait_dec += r.max_tokens - r.num_output_tokens
+    return SchedulerLoad(len(running), len(waiting), run_ctx, run_pf, run_left, wait_prompt, wait_dec)

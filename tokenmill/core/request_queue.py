@@ -88,3 +88,18 @@ class PriorityQueue:
 
 def make_queue(policy: str, aging: float) -> FCFSQueue | PriorityQueue:
     return PriorityQueue(aging) if policy == "priority" else FCFSQueue()
+
+
+def running_order(req: Request, policy: str, aging: float):
+    """Running requests are served decode first, then prefill; by rank within each under priority."""
+    if policy == "priority":
+        return req.is_prefilling, priority_key(req, aging)
+    return req.is_prefilling
+
+
+def preemption_victim(running: list[Request], scheduled: dict[str, int], policy: str, aging: float) -> Request:
+    """fcfs: the most recently admitted request not yet in this step's batch; priority: the
+    lowest-ranked running request (its part of the step, if any, is then undone)."""
+    if policy == "priority":
+        return max(running, key=lambda r: priority_key(r, aging))
+    return next(r for r in reversed(running) if r.request_id not in scheduled)

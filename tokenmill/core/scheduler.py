@@ -27,8 +27,8 @@ import time
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.messages import EngineCoreOutput, SchedulerLoad, SchedulerStats, SpecDecodingStats
-from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.request_queue import make_queue, priority_key
+from tokenmill.core.request import Request, RequestStatus, load_of
+from tokenmill.core.request_queue import make_queue, preemption_victim, running_order
 from tokenmill.core.scheduler_output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -64,7 +64,6 @@ class Scheduler:
         self.spec = SpecDecodingStats()
         self.spec_policy = spec_policy  # measured choice per step (spec_policy.py)
 
-    # --- queue management -------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
         if req.status == RequestStatus.WAITING_FOR_GRAMMAR:
@@ -116,7 +115,6 @@ class Scheduler:
             self._finish(req, RequestStatus.FINISHED_ABORTED)
             self.failed[req.request_id] = f"grammar compile failed: {type(error).__name__}: {error}"
 
-    # --- one step ---------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         if self.compiling:
             self._admit_compiled()
@@ -137,7 +135,7 @@ class Scheduler:
 
         # 1. running: decodes before chunks of unfinished prefills, each group in admission order
         #    (by rank under the priority policy)
-        for req in sorted(self.running, key=self._running_order):
+        for req in sorted(self.running, key=lambda r: running_order(r, self.policy, self.priority_aging)):
             if budget == 0:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
@@ -154,7 +152,7 @@ class Scheduler:
                     if drafts:  # short of blocks: give up the drafts before preempting anyone
                         drafts = []
                         continue
-                    victim = self._victim(num_tokens)
+                    victim = preemption_victim(self.running, num_tokens, self.policy, self.priority_aging)
                     undone = victim.request_id in num_tokens
                     if undone:  # undo its part of this step
                         budget += num_tokens.pop(victim.request_id)
@@ -221,16 +219,6 @@ class Scheduler:
         the proposer runs)."""
         return self.num_lookahead_slots if num_after >= req.num_tokens else 0
 
-    def _running_order(self, req: Request):
-        if self.policy == "priority":
-            return req.is_prefilling, priority_key(req, self.priority_aging)
-        return req.is_prefilling
-
-    def _victim(self, scheduled: dict[str, int]) -> Request:
-        if self.policy == "priority":
-            return max(self.running, key=lambda r: priority_key(r, self.priority_aging))
-        return next(r for r in reversed(self.running) if r.request_id not in scheduled)
-
     def _fail(self, req: Request, error: Exception) -> None:
         """Scheduling `req` raised: it alone ends (reported in the step's outputs as failed)."""
         (self.running if req.status == RequestStatus.RUNNING else self.waiting).remove(req)
@@ -277,7 +265,7 @@ class Scheduler:
             status = None
             for i, token in enumerate(sampled):
                 req.append_output(token)
-                status = self._check_stop(req, token)
+                status = req.stop_status(token, self.max_model_len)
                 if status is not None:
                     sampled = sampled[:i + 1]
                     break
@@ -295,20 +283,6 @@ class Scheduler:
                 req.first_scheduled_time, req.num_preemptions))
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        p = req.params
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_output_tokens < p.min_tokens:
-            return None
-        if token in req.eos_token_ids and not p.ignore_eos:
-            req.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if token in req.stop_token_ids:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        return None
-
     def stats(self) -> SchedulerStats:
         used = self.kv.num_used_blocks()
         return SchedulerStats(len(self.running), len(self.waiting) + len(self.compiling), self.kv.usage, used,
@@ -317,14 +291,4 @@ class Scheduler:
 
     def load(self) -> SchedulerLoad:
         """The work held, in tokens (what SLO admission predicts from)."""
-        run_ctx = run_pf = run_left = wait_prompt = wait_dec = 0
-        for r in self.running:
-            run_ctx += r.num_computed_tokens
-            run_pf += max(r.num_prompt_tokens - r.num_computed_tokens, 0)
-            run_left += r.max_tokens - r.num_output_tokens
-        for queue in (self.waiting, self.compiling):
-            for r in queue:
-                wait_prompt += r.num_tokens - r.num_computed_tokens
-                wait_dec += r.max_tokens - r.num_output_tokens
-        return SchedulerLoad(len(self.running), len(self.waiting) + len(self.compiling), run_ctx, run_pf, run_left,
-                             wait_prompt, wait_dec)
+        return load_of(self.running, [*self.waiting, *self.compiling])

@@ -56,7 +56,6 @@ class AsyncLLMEngine:
         own unless --no-engine-core-process."""
         return cls(LLMEngine(config, progress=progress, multiprocess=config.parallel.engine_core_process is not False))
 
-    # --- what the model is ------------------------------------------------------------------------
     @property
     def served_model_name(self) -> str:
         return self.engine.served_model_name
@@ -91,7 +90,6 @@ class AsyncLLMEngine:
         """The chat template in use: the --chat-template override, else the model's."""
         return self.engine.processor.chat_template or getattr(self.engine.tokenizer, "chat_template", None)
 
-    # --- text <-> tokens (front end; thread-safe) -------------------------------------------------
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
                     **template_kwargs) -> str:
         return self.engine.processor.render_chat(messages, add_generation_prompt, chat_template, **template_kwargs)
@@ -109,7 +107,6 @@ class AsyncLLMEngine:
         """One token's text as logprobs show it (special tokens included; cached)."""
         return self.engine.output_processor.piece(token_id)
 
-    # --- statistics -------------------------------------------------------------------------------
     def scheduler_stats(self) -> SchedulerStats:
         """The core's queue and KV-cache state, read now."""
         return self.engine.scheduler_stats()
@@ -129,7 +126,6 @@ class AsyncLLMEngine:
         """Called with every step's statistics, on the engine thread. Add before start()."""
         self.engine.stat_loggers.append(stat_logger)
 
-    # --- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the engine thread; call from the event loop that will consume outputs."""
         self._loop = asyncio.get_running_loop()
@@ -164,7 +160,6 @@ class AsyncLLMEngine:
         config = self.engine.config
         return max(0, len(self._streams) - config.scheduler.max_num_seqs * config.parallel.data_parallel_size)
 
-    # --- requests ---------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  add_special_tokens: bool = True, prompt_token_ids: list[int] | None = None, priority: int = 0,
                  admit: Callable[[int, int, int], None] | None = None) -> RequestStream:
@@ -219,7 +214,6 @@ class AsyncLLMEngine:
         self._inbox.put(op)
         self._wake.set()
 
-    # --- engine thread ----------------------------------------------------------------------------
     def _drain_inbox(self) -> None:
         while True:
             try:

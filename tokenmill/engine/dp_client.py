@@ -18,7 +18,8 @@ import zmq
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerLoad, SchedulerStats
-from tokenmill.engine.core_client import EngineCoreClient, MPClient
+from tokenmill.engine.core_client import EngineCoreClient
+from tokenmill.engine.mp_client import MPClient
 from tokenmill.engine.router import PrefixAffinityRouter
 from tokenmill.errors import EngineDeadError, EngineStepError, ServiceUnavailableError
 
@@ -73,7 +74,6 @@ class DPClient(EngineCoreClient):
     def healthy(self) -> bool:
         return any(r is not None for r in self.replicas)
 
-    # --- requests ---------------------------------------------------------------------------------
     def add_request(self, request: EngineCoreRequest) -> None:
         cost = len(request.prompt_token_ids) + request.max_tokens
         if not self.healthy:
@@ -97,7 +97,6 @@ class DPClient(EngineCoreClient):
     def has_unfinished(self) -> bool:
         return False
 
-    # --- outputs ----------------------------------------------------------------------------------
     def get_output(self, interrupt: int | None = None) -> EngineCoreOutputs:
         if self._pending:
             raise self._pending.pop(0)
@@ -194,7 +193,6 @@ class DPClient(EngineCoreClient):
             self.router.set_alive(replica, True)
             logger.info("replica %d restarted", replica)
 
-    # --- statistics and calls ---------------------------------------------------------------------
     def replica_stats(self) -> list[ReplicaStats]:
         empty = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0)
         return [ReplicaStats(i, r is not None, r.stats() if r is not None else empty, self._generated[i])

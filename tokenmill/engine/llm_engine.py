@@ -15,7 +15,8 @@ from pathlib import Path
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import SchedulerStats
 from tokenmill.engine import faults
-from tokenmill.engine.core_client import EngineCoreClient, InprocClient, MPClient
+from tokenmill.engine.core_client import EngineCoreClient, InprocClient
+from tokenmill.engine.mp_client import MPClient
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import InputProcessor, ProcessedRequest
 from tokenmill.engine.stats import IterationStats, StatLogger
@@ -103,7 +104,6 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.core_client.max_model_len
 
-    # --- requests ---------------------------------------------------------------------------------
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                 arrival_time: float | None = None, add_special_tokens: bool = True,
                 prompt_token_ids: list[int] | None = None, priority: int = 0) -> ProcessedRequest:
@@ -157,7 +157,6 @@ class LLMEngine:
         failed, self._failed = self._failed, {}
         return failed
 
-    # --- one step ---------------------------------------------------------------------------------
     def step(self, interrupt: int | None = None) -> list[RequestOutput]:
         """One core step's outputs. With a core in another process, waits for them, or until the
         file descriptor `interrupt` turns readable (then returns [])."""

@@ -13,8 +13,8 @@ import logging
 import os
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.core_client import MPClient
 from tokenmill.engine.dp_client import DPClient
+from tokenmill.engine.mp_client import MPClient
 
 logger = logging.getLogger(__name__)
 

@@ -74,7 +74,6 @@ class StepCostModel:
             raise ValueError("cost model: knots and gemm must have the same length (>= 2)")
         return m
 
-    # --- fitting --------------------------------------------------------------------------------------
     @classmethod
     def fit(cls, shapes: list[StepShape], seconds: list[float], knots=KNOTS) -> StepCostModel:
         """Non-negative least squares on relative error. Knots beyond the largest measured batch are

@@ -126,7 +126,6 @@ class Sampler:
             probs.masked_fill_(probs < batch.min_p.unsqueeze(1), 0.0)  # the top token's weight is 1
         return probs
 
-    # --- logprobs ---------------------------------------------------------------------------------
     @staticmethod
     def logprobs(raw: torch.Tensor, sampled: torch.Tensor, batch: SamplingBatch):
         k = batch.max_logprobs

@@ -85,7 +85,6 @@ class ToolCallParser:
         content = "".join(self.content).strip()
         return content or None, self.calls
 
-    # --- internals --------------------------------------------------------------------------------
     def _emit_content(self, text: str, deltas: list[dict]) -> None:
         if not text:
             return
