@@ -44,7 +44,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_error: BaseException | None = None
-        self._load = LoadTracker()
+        self._load = LoadTracker(engine.scheduler_stats().num_received)
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> AsyncLLMEngine:

@@ -16,7 +16,10 @@ from tokenmill.core.messages import SchedulerLoad, SchedulerStats
 
 
 class LoadTracker:
-    def __init__(self):
+    def __init__(self, num_received_before: int = 0):
+        """`num_received_before`: what the core had received from elsewhere (an engine used
+        directly before this front end wrapped it)."""
+        self._baseline = num_received_before
         self._unreported: deque[tuple[int, int]] = deque()  # (prompt, max tokens) per sequence
         self._num_submitted = 0  # sequences, counted on the event loop
         self._num_lost = 0  # sequences that never reached a core (refused there), engine thread
@@ -33,12 +36,12 @@ class LoadTracker:
 
     def reported(self, stats: SchedulerStats) -> None:
         """Engine thread: the core's statistics, as it reported them with its last step."""
-        self._reported = (stats.num_received + self._num_lost, stats.load)
+        self._reported = (stats.num_received - self._baseline + self._num_lost, stats.load)
 
     def load(self) -> SchedulerLoad:
         """Event loop: the reported load plus every sequence submitted after the report's count."""
         received, load = self._reported
-        while len(self._unreported) > self._num_submitted - received:
+        while self._unreported and len(self._unreported) > self._num_submitted - received:
             self._unreported.popleft()
         if not self._unreported:
             return load

@@ -48,6 +48,13 @@ class GrammarState:
         self.num_accepted += 1
         return True
 
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar takes `token_id` next (the matcher does not move)."""
+        if not self.live or not self.matcher.accept_token(token_id):
+            return False
+        self.matcher.rollback(1)
+        return True
+
     def rollback(self, num_tokens: int) -> None:
         """Take back the last `num_tokens` accepted tokens."""
         if num_tokens > 0:

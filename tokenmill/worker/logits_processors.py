@@ -14,9 +14,22 @@ from tokenmill.worker.request_state import RequestState
 
 
 class LogitsProcessor:
-    def __call__(self, logits: torch.Tensor, states: Sequence[RequestState]) -> None:
-        """logits: [len(states), vocab], row i belongs to states[i]; edit in place."""
+    def __call__(self, logits: torch.Tensor, states: Sequence[RequestState], deferred: frozenset[int] = frozenset()
+                 ) -> None:
+        """logits: [len(states), vocab], row i belongs to states[i]; edit in place. Rows in `deferred`
+        are left for `refused` to check after sampling (only rows `deferrable` named)."""
         raise NotImplementedError
+
+    def deferrable(self, states: Sequence[RequestState]) -> list[int]:
+        """Rows whose constraint can be checked on the sampled token instead of edited into the
+        logits, without changing what is sampled: a refused row is then sampled again, through a
+        call without `deferred` (sampler.py)."""
+        return []
+
+    def refused(self, states: Sequence[RequestState], token_ids: list[int], rows: list[int]) -> list[int]:
+        """Of the deferred `rows`, those whose sampled token breaks the constraint."""
+        return []
+
 
     def prepare(self, states: Sequence[RequestState]) -> None:
         """Called before the forward of the step that will sample `states` (the same list as the
@@ -28,7 +41,7 @@ class LogitsProcessor:
 
 
 class LogitBias(LogitsProcessor):
-    def __call__(self, logits, states):
+    def __call__(self, logits, states, deferred=frozenset()):
         for i, s in enumerate(states):
             bias = s.params.logit_bias
             if bias:
@@ -39,7 +52,7 @@ class LogitBias(LogitsProcessor):
 class MinTokens(LogitsProcessor):
     """Bans stop tokens (and EOS unless ignore_eos) until min_tokens have been generated."""
 
-    def __call__(self, logits, states):
+    def __call__(self, logits, states, deferred=frozenset()):
         for i, s in enumerate(states):
             if len(s.output_token_ids) < s.params.min_tokens and s.min_tokens_banned:
                 logits[i, s.min_tokens_banned] = float("-inf")
@@ -48,7 +61,7 @@ class MinTokens(LogitsProcessor):
 class RepetitionPenalty(LogitsProcessor):
     """Divides positive logits (multiplies negative ones) of every token seen in prompt or output."""
 
-    def __call__(self, logits, states):
+    def __call__(self, logits, states, deferred=frozenset()):
         for i, s in enumerate(states):
             penalty = s.params.repetition_penalty
             if penalty != 1.0:
@@ -61,7 +74,7 @@ class PresenceFrequencyPenalty(LogitsProcessor):
     """OpenAI's penalties over the generated tokens: a fixed one per token present, and one per
     occurrence."""
 
-    def __call__(self, logits, states):
+    def __call__(self, logits, states, deferred=frozenset()):
         for i, s in enumerate(states):
             p = s.params
             if (p.presence_penalty or p.frequency_penalty) and s.output_token_ids:
@@ -72,22 +85,36 @@ class PresenceFrequencyPenalty(LogitsProcessor):
 class GrammarMask(LogitsProcessor):
     """Structured outputs: each constrained row keeps only the tokens its grammar allows next
     (EOS only where the grammar can end). Last of the processors, so it holds whatever the
-    penalties did, and before temperature / top-k / top-p, which then act within the grammar."""
+    penalties did, and before temperature / top-k / top-p, which then act within the grammar.
+
+    A row sampled greedily or by temperature alone (no top-k, top-p, min-p) is not masked up front:
+    its token is drawn from the whole distribution and kept if the grammar takes it, else drawn
+    again from the masked one. That is exactly the masked distribution (a kept token t has
+    probability p(t) + (1 - p(A)) p(t) / p(A) = p(t) / p(A) for the allowed set A; greedy's argmax,
+    when allowed, is the masked argmax), and it spares filling and applying the masks of the rows
+    whose first token is allowed, most of them. The truncating filters depend on the whole
+    distribution, so their rows are masked first."""
 
     def __init__(self):
         self._masks = None  # the batch bitmask, allocated on first use
 
+    def deferrable(self, states):
+        return [i for i, s in enumerate(states) if _deferrable(s)]
+
     def prepare(self, states):
-        grammars = [s.grammar for s in states]
+        grammars = [None if _deferrable(s) else s.grammar for s in states]
         first = next((g for g in grammars if g is not None), None)
         if first is not None:
             self._bitmasks(first.vocab_size).start(grammars)
 
-    def __call__(self, logits, states):
-        grammars = [s.grammar for s in states]
+    def __call__(self, logits, states, deferred=frozenset()):
+        grammars = [None if i in deferred else s.grammar for i, s in enumerate(states)]
         if self._masks is None and all(g is None for g in grammars):
             return
         self._bitmasks(logits.shape[-1]).apply(logits, grammars)
+
+    def refused(self, states, token_ids, rows):
+        return [i for i in rows if not states[i].grammar.allows(token_ids[i])]
 
     def close(self) -> None:
         if self._masks is not None:
@@ -100,6 +127,14 @@ class GrammarMask(LogitsProcessor):
 
             self._masks = GrammarBitmasks(vocab_size)
         return self._masks
+
+
+def _deferrable(state: RequestState) -> bool:
+    """A live grammar on a row sampled greedily (an argmax is inside any truncation) or by
+    temperature alone."""
+    p = state.params
+    return (state.grammar is not None and state.grammar.live
+            and (p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)))
 
 
 def default_processors() -> list[LogitsProcessor]:

@@ -76,24 +76,42 @@ class Sampler:
             processor.prepare(states)
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        deferred = sorted({i for p in self.processors for i in p.deferrable(batch.states)})
+        kept = logits[deferred] if deferred else None  # a copy of their logits, for a second draw
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
-        logits = self.process(logits, batch)
-        greedy = logits.max(dim=-1).indices if batch.greedy.any() else None  # max() is ~2.5x faster than argmax()
-        if batch.all_greedy:
-            sampled = greedy
-        else:
-            sampled = self._sample(logits, batch)  # consumes logits
-            if greedy is not None:
-                sampled = torch.where(batch.greedy, greedy, sampled)
+        logits = self.process(logits, batch, frozenset(deferred))
+        sampled = self._draw(logits, batch)
         token_ids = sampled.tolist()
+        refused = sorted({i for p in self.processors for i in p.refused(batch.states, token_ids, deferred)})
+        if refused:
+            self._redraw(kept[[deferred.index(i) for i in refused]], refused, batch, sampled, token_ids)
         logprobs = self.logprobs(raw_logprobs, sampled, batch) if raw_logprobs is not None else [None] * len(token_ids)
         return SamplerOutput(token_ids, logprobs)
 
-    def process(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, batch: SamplingBatch, deferred: frozenset[int] = frozenset()
+                ) -> torch.Tensor:
         for processor in self.processors:
-            processor(logits, batch.states)
+            processor(logits, batch.states, deferred)
         return logits
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy = logits.max(dim=-1).indices if batch.greedy.any() else None  # max() is ~2.5x faster than argmax()
+        if batch.all_greedy:
+            return greedy
+        sampled = self._sample(logits, batch)  # consumes logits
+        return torch.where(batch.greedy, greedy, sampled) if greedy is not None else sampled
+
+    def _redraw(self, logits: torch.Tensor, rows: list[int], batch: SamplingBatch, sampled: torch.Tensor,
+                token_ids: list[int]) -> None:
+        """Rows whose first token a deferred constraint refused: drawn again with every processor's
+        edits made (see GrammarMask)."""
+        states = [batch.states[i] for i in rows]
+        sub = SamplingBatch.build(states, logits.shape[1], logits.device)
+        again = self._draw(self.process(logits.float(), sub), sub)
+        for i, token in zip(rows, again.tolist()):
+            token_ids[i] = token
+        sampled[rows] = again
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = self.filtered_probs(logits, batch)
