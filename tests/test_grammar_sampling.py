@@ -32,8 +32,10 @@ def compiler():
 
 def _states(compiler, n: int, **params) -> list[RequestState]:
     spec = StructuredOutputsParams(choice=["yes", "no", "maybe", "never"]).spec()
+
     def one(i: int) -> CoreSamplingParams:  # a seeded row gets its own seed: rows must differ
-        return CoreSamplingParams(grammar=spec, **{**params, **({"seed": params["seed"] + i} if "seed" in params else {})})
+        seed = {"seed": params["seed"] + i} if "seed" in params else {}
+        return CoreSamplingParams(grammar=spec, **{**params, **seed})
 
     return [RequestState.new(NewRequestData(f"r{i}", [1, 2, 3], one(i), [2], [0], 0), torch.device("cpu"),
                              compiler.submit) for i in range(n)]
