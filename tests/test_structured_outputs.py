@@ -51,7 +51,9 @@ def test_json_schema_corpus_full(smol_fp32):
     _check_corpus(smol_fp32, CORPUS, max_tokens=128, seed=1000)
 
 
-@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"[A-Z][a-z]{2,8} (is|was) [a-z]+\.",
+# bounded patterns: each must end within max_tokens (one character a token at worst), so "stop"
+# is owed by the grammar, not by luck
+@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"[A-Z][a-z]{2,8} (is|was) [a-z]{1,12}\.",
                                      r"(0|[1-9]\d{0,5})\.\d{2} (USD|EUR)", r"[a-z_][a-z0-9_]{0,10}\(\)"])
 def test_regex(smol_fp32, pattern):
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=40,
@@ -127,9 +129,11 @@ def test_greedy_survives_preemption_and_prefix_caching(smol_fp32):
         for a, b in zip(outs, roomy):
             assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert core.kv.pool.num_free_blocks == core.kv.num_blocks and not core.worker.runner.requests
-        # shutting the engine down stops the threads it started: grammar compilation and mask filling
+        # shutting the engine down stops the threads it started: grammar compilation (and mask
+        # filling, which greedy rows, checked after sampling, may not need)
         started = [t for t in set(threading.enumerate()) - before if t.name.startswith("tokenmill-grammar")]
-        assert {t.name.split("_")[0] for t in started} == {"tokenmill-grammar", "tokenmill-grammar-mask"}
+        names = {t.name.split("_")[0] for t in started}
+        assert "tokenmill-grammar" in names and names <= {"tokenmill-grammar", "tokenmill-grammar-mask"}
         tiny.engine.shutdown()
         for t in started:
             t.join(10)
