@@ -63,6 +63,13 @@ def total(parts: list[dict]) -> dict:
     return row
 
 
+def spec_configs(k: int, draft: str | None) -> dict[str, str | None]:
+    return {"none": None,
+            "ngram": json.dumps({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4,
+                                 "prompt_lookup_min": 2}),
+            "draft": json.dumps({"model": draft, "num_speculative_tokens": k})}
+
+
 def cpu_model() -> str:
     for line in open("/proc/cpuinfo"):
         if line.startswith("model name"):
@@ -83,10 +90,7 @@ def main() -> None:
     ap.add_argument("--max-chars", type=int, default=2000)
     ap.add_argument("--kv-cache-memory", default="2GiB")
     args = ap.parse_args()
-    specs = {"none": None,
-             "ngram": json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-                                  "prompt_lookup_min": 2}),
-             "draft": json.dumps({"model": args.draft, "num_speculative_tokens": args.k})}
+    specs = spec_configs(args.k, args.draft)
     names = (args.configs or ("none,ngram,draft" if args.draft else "none,ngram")).split(",")
     print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
                       "load_before": open("/proc/loadavg").read().split()[:3], "model": args.model or "smollm2-135m",

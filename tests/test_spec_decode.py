@@ -174,6 +174,8 @@ def test_drafts_stay_within_max_tokens():
     ('{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}', "unknown key"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs a"),
     ('not json', "JSON"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "max_spec_factor": 0}', "max_spec_factor"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "max_spec_factor": "x"}', "max_spec_factor"),
 ])
 def test_bad_speculative_config_is_a_clear_error(bad, match):
     from tokenmill.config import EngineConfig
