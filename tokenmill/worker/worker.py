@@ -147,7 +147,7 @@ class Worker:
                               f"{target.eos_token_id}): a draft must share the target's tokenizer",
                               param="speculative_config")
         t0 = time.monotonic()
-        quant_config, quant_desc = self._draft_quant_config(spec, source)
+        quant_config = self._draft_quant_config(spec, source)
         model = build_model(source, cfg, self.backend, self.max_model_len, self.dtype, self.device, progress=progress,
                             quant_config=quant_config)
         if self.fused_ops:
@@ -157,8 +157,8 @@ class Worker:
         self.weight_bytes += model.weight_bytes
         self.draft_config = cfg
         logger.info("speculative decoding: draft model %s (%s, %.0f MiB of weights) drafts %d tokens; loaded in %.1fs",
-                    source.name, quant_desc, model.weight_bytes / 2**20, spec.num_speculative_tokens,
-                    time.monotonic() - t0)
+                    source.name, quant_config.describe() if quant_config else "not quantized",
+                    model.weight_bytes / 2**20, spec.num_speculative_tokens, time.monotonic() - t0)
         return DraftModelProposer(model, self.backend, self.config.cache.block_size, spec.num_speculative_tokens,
                                   self.device, self.max_model_len)
 
@@ -167,19 +167,17 @@ class Worker:
         draft: requantize.py)."""
         q = self.config.quant
         if spec.draft_quantization != "int4":
-            quant_config = make_quant_config(self.quantization, source, q.quant_group_size, q.quant_dense_min_rows,
-                                             q.quant_act_bits)
-        elif source.kind == "gguf":
+            return make_quant_config(self.quantization, source, q.quant_group_size, q.quant_dense_min_rows,
+                                     q.quant_act_bits)
+        if source.kind == "gguf":
             from tokenmill.model.layers.quantization.requantize import RequantizedGGUFConfig
             from tokenmill.model.loader import gguf_loader
 
-            resolve_quantization("gguf", source.kind, self.device)
-            quant_config = RequantizedGGUFConfig(gguf_loader.tensor_types(source.path), q.quant_dense_min_rows,
-                                                 q.quant_act_bits)
-        else:
-            quant_config = make_quant_config(resolve_quantization("int4", source.kind, self.device), source,
-                                             q.quant_group_size, q.quant_dense_min_rows, q.quant_act_bits)
-        return quant_config, quant_config.describe() if quant_config is not None else "not quantized"
+            resolve_quantization("gguf", source.kind, self.device)  # a clear error where the kernels are missing
+            return RequantizedGGUFConfig(gguf_loader.tensor_types(source.path), q.quant_dense_min_rows,
+                                         q.quant_act_bits)
+        return make_quant_config(resolve_quantization("int4", source.kind, self.device), source, q.quant_group_size,
+                                 q.quant_dense_min_rows, q.quant_act_bits)
 
     def prepare_grammar(self, spec: GrammarSpec) -> Future:
         """Compiles a structured-output grammar for this model's vocabulary on a background thread
