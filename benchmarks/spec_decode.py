@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--max-chars", type=int, default=2000)
     ap.add_argument("--kv-cache-memory", default="2GiB")
     args = ap.parse_args()
+
     def spec_of(name: str) -> str | None:  # "ngram:16": k = 16 for this configuration
         base, _, k = name.partition(":")
         return spec_configs(int(k) if k else args.k, args.draft, int(k) if k else args.draft_k)[base]
