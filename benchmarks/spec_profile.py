@@ -81,6 +81,11 @@ def main() -> None:
         t.wrap(RejectionSampler, "__call__", "rejection sampler", runner.rejection_sampler)
         if runner.proposer is not None:
             t.wrap(type(runner.proposer), "propose", "proposer", runner.proposer)
+            draft = getattr(runner.proposer, "model", None)
+            if draft is not None:  # a draft model's passes, by tokens, and its LM head
+                t.wrap(type(draft), "forward", lambda ids, *_: f"draft forward {len(ids)} tokens"
+                       if len(ids) <= 16 else "draft prefill", draft)
+                t.wrap(type(draft), "compute_logits", "draft LM head", draft)
         t.wrap(type(core.executor), "execute", "executor (runner.execute)", core.executor)
         t0 = time.perf_counter()
         out = llm.generate(prompts(1, args.max_chars), params, use_tqdm=False)[0]
