@@ -63,6 +63,15 @@ def total(parts: list[dict]) -> dict:
     return row
 
 
+def spec_configs(k: int, draft: str | None, draft_k: int | None = None) -> dict[str, str | None]:
+    """ngram drafts up to k tokens, as many as the match is long (the default max_spec_factor);
+    ngram-fixed always k (the factor off); draft-int4: the draft requantized to int4 at load."""
+    ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    draft_spec = {"model": draft, "num_speculative_tokens": draft_k or k}
+    return {"none": None, "ngram": json.dumps(ngram), "ngram-fixed": json.dumps({**ngram, "max_spec_factor": None}),
+            "draft": json.dumps(draft_spec), "draft-int4": json.dumps({**draft_spec, "quantization": "int4"})}
+
+
 def cpu_model() -> str:
     for line in open("/proc/cpuinfo"):
         if line.startswith("model name"):
@@ -74,8 +83,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft", default=None, help="the draft model of the draft configuration")
-    ap.add_argument("--configs", default=None, help="comma list of none, ngram, draft (default: none,ngram[,draft])")
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--configs", default=None, help="comma list of none, ngram, ngram-fixed, draft, draft-int4, "
+                    "each with an optional :k (default: none,ngram[,draft])")
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--draft-k", type=int, default=None, help="the draft model's (default: --k)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--streams", type=int, default=2, help="requests of the one-stream point (concurrency 1)")
     ap.add_argument("--concurrency", default="1,16")
@@ -83,18 +94,20 @@ def main() -> None:
     ap.add_argument("--max-chars", type=int, default=2000)
     ap.add_argument("--kv-cache-memory", default="2GiB")
     args = ap.parse_args()
-    specs = {"none": None,
-             "ngram": json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-                                  "prompt_lookup_min": 2}),
-             "draft": json.dumps({"model": args.draft, "num_speculative_tokens": args.k})}
+
+    def spec_of(name: str) -> str | None:  # "ngram:16": k = 16 for this configuration
+        base, _, k = name.partition(":")
+        return spec_configs(int(k) if k else args.k, args.draft, int(k) if k else args.draft_k)[base]
+
     names = (args.configs or ("none,ngram,draft" if args.draft else "none,ngram")).split(",")
     print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
                       "load_before": open("/proc/loadavg").read().split()[:3], "model": args.model or "smollm2-135m",
-                      "draft": args.draft, "k": args.k, "output_len": args.output_len,
+                      "draft": args.draft, "k": args.k, "draft_k": args.draft_k or args.k,
+                      "output_len": args.output_len,
                       "threads": os.environ.get("OMP_NUM_THREADS", "all")}), flush=True)
     llms = {}
     for name in names:
-        llms[name] = LLM(model=args.model, dtype=args.dtype, speculative_config=specs[name],
+        llms[name] = LLM(model=args.model, dtype=args.dtype, speculative_config=spec_of(name),
                          kv_cache_memory=args.kv_cache_memory, max_model_len=2048,
                          enable_prefix_caching=False, progress=False)
         run(llms[name], prompts(2, args.max_chars), 8)  # warm-up

@@ -82,3 +82,33 @@ def test_paged_decode_attention_matches_sdpa(dtype, head_dim, heads, kv_heads, b
         ref = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), k, v, scale=0.125, enable_gqa=True)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out[i].float(), ref.squeeze(1), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 12, 2)])
+def test_verification_rows_equal_rows_alone(dtype, head_dim, heads, kv_heads):
+    """A verification's rows (one table, lengths L..L+k, run together by the kernel) give bit for
+    bit what each row gives alone, and match SDPA; a run longer than the kernel's longest, and
+    runs next to single decodes, too."""
+    torch.manual_seed(2)
+    block_size, num_blocks = 16, 96
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    seqs = [(1, 40), (5, 250), (1, 7), (20, 31), (3, 1)]  # (rows, length of the first row)
+    lens = [first + i for rows, first in seqs for i in range(rows)]
+    max_blocks = -(-max(lens) // block_size)
+    seq_tables = [torch.randperm(num_blocks)[:max_blocks] for _ in seqs]
+    tables = torch.stack([seq_tables[s] for s, (rows, _) in enumerate(seqs) for _ in range(rows)])
+    q = torch.randn(len(lens), heads, head_dim, dtype=dtype)
+    out = torch.empty_like(q)
+    torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125)
+    for i, n in enumerate(lens):
+        alone = torch.empty_like(q[i:i + 1])
+        torch.ops.tokenmill.paged_decode_attention(alone, q[i:i + 1].clone(), k_cache, v_cache, tables[i:i + 1],
+                                                   torch.tensor([n]), 0.125)
+        assert torch.equal(out[i], alone[0]), i
+        k = k_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
+        v = v_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
+        ref = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), k, v, scale=0.125, enable_gqa=True)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[i].float(), ref.squeeze(1), atol=tol, rtol=tol)

@@ -123,3 +123,17 @@ def test_ngram_lookup():
     assert ngram_drafts(t, 3, 2, 4) == [5, 6, 1]  # the most recent earlier "1 2 3" came before "5 6 1"
     assert ngram_drafts(np.array([1, 2, 3, 4]), 3, 1, 3) == []
     assert ngram_drafts(np.array([7, 8, 7]), 2, 1, 2) == [8, 7]
+
+
+def test_ngram_drafts_as_many_as_the_match_is_long():
+    copy = list(range(10, 40))
+    t = np.array(copy + [99] + copy[:12])  # the output copies the first 12 tokens of the input so far
+    assert ngram_drafts(t, 16, 2, 4, spec_factor=1.0) == copy[12:24]  # 12 tokens agree: 12 drafts
+    assert ngram_drafts(t, 5, 2, 4, spec_factor=1.0) == copy[12:17]  # never more than k
+    assert ngram_drafts(t, 16, 2, 4, spec_factor=0.5) == copy[12:18]
+    assert ngram_drafts(t, 20, 2, 4) == copy[12:30] + [99, 10]  # no factor: always k
+    short = np.array([5, 1, 2, 6, 7, 8, 9, 3, 1, 2])  # only "1 2" agrees
+    assert ngram_drafts(short, 16, 2, 4, spec_factor=1.0) == [6, 7]
+    # the longest n-gram (up to n_max) wins over a more recent shorter one, as without the factor
+    t = np.array([1, 2, 3, 4, 9, 9, 1, 2, 3, 5, 6, 0, 2, 3])
+    assert ngram_drafts(t, 3, 2, 4, spec_factor=1.0) == [5, 6]

@@ -76,13 +76,18 @@ def test_ngram_greedy_identical_to_no_speculation(reference_fp32, name):
     gc.collect()
 
 
-def test_ngram_greedy_identical_in_bf16_batch_invariant():
+@pytest.mark.parametrize("proposer", ["ngram", "draft-int4"])
+def test_greedy_identical_in_bf16_batch_invariant(proposer, smol_path):
+    """Packed weights in bf16; the draft is SmolLM2 itself requantized to int4 at load (its Q8_0
+    embedding and tied head to Q4_1: 576 columns are no multiple of 128)."""
     args = dict(dtype="bfloat16", batch_invariant=True, progress=False, **BASE, **CONFIGS["chunk-16"])
     llm = LLM(**args)
     prompts = _prompts(llm.get_tokenizer())[:24]
     ref = _run(llm, prompts)
     del llm
-    llm = LLM(speculative_config=NGRAM, **args)
+    spec = NGRAM if proposer == "ngram" else \
+        f'{{"model": "{smol_path}", "num_speculative_tokens": 3, "quantization": "int4"}}'
+    llm = LLM(speculative_config=spec, **args)
     outs = _run(llm, prompts)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert llm.engine.core.stats().spec_decoding.num_accepted_tokens > 0
@@ -174,6 +179,8 @@ def test_drafts_stay_within_max_tokens():
     ('{"method": "ngram", "num_speculative_tokens": 2, "foo": 1}', "unknown key"),
     ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs a"),
     ('not json', "JSON"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "max_spec_factor": 0}', "max_spec_factor"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "max_spec_factor": "x"}', "max_spec_factor"),
 ])
 def test_bad_speculative_config_is_a_clear_error(bad, match):
     from tokenmill.config import EngineConfig

@@ -27,3 +27,11 @@ def test_follows_a_change_of_workload():
     p = SpecPolicy(explore_every=8)
     _run(p, 4, on_rate=50, off_rate=10)
     assert _run(p, 4, on_rate=10, off_rate=50, steps=200) < 0.3
+
+
+def test_no_drafts_while_prompts_wait_or_prefill():
+    """Steps with prefill work are compute-bound: drafts would take prompt tokens' place."""
+    p = SpecPolicy()
+    assert _run(p, 1, on_rate=30, off_rate=10) > 0.9
+    assert not p.speculate(1, prefill_pending=True)
+    assert p.speculate(1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
 
 import pytest
 
@@ -30,20 +31,33 @@ ARGS = dict(model="qwen2.5-coder-1.5b", dtype="float32", quantization="none", kv
             max_model_len=512, progress=False)
 
 
-def test_qwen_05b_draft_for_15b_greedy_identical_to_no_speculation():
+@pytest.fixture(scope="module")
+def reference():
     llm = LLM(**ARGS)
     ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     del llm
     gc.collect()
-    llm = LLM(**ARGS, speculative_config='{"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}')
+    return ref
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_qwen_05b_draft_for_15b_greedy_identical_to_no_speculation(reference, quantization):
+    """Also with the draft requantized to int4 at load (its Q5_0/Q8_0 layers): fewer bytes, the
+    same output."""
+    spec = {"model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}
+    if quantization:
+        spec["quantization"] = quantization
+    llm = LLM(**ARGS, speculative_config=json.dumps(spec))
     batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:2]]
-    assert batched == ref
-    assert alone == ref[:2]
+    assert batched == reference
+    assert alone == reference[:2]
     core = llm.engine.core
     stats = core.stats().spec_decoding
     # the pair agrees on most code tokens; a broken draft KV cache or position drops this near 0
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate > 0.4, stats
     assert core.kv.pool.num_free_blocks == core.kv.num_blocks
+    if quantization:
+        assert core.worker.proposer.model.weight_bytes < 0.75 * 464 * 2**20  # 464 MiB as in the GGUF
     del llm
     gc.collect()

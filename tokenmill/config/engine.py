@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 
 from tokenmill.config.fields import check_bool, check_choice, check_positive, opt, parse_size
@@ -216,7 +217,7 @@ class KernelConfig:
 
 SPEC_METHODS = ("ngram", "draft_model")
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-              "disable_by_batch_size", "adaptive"}
+              "disable_by_batch_size", "adaptive", "max_spec_factor", "quantization"}
 
 
 @dataclass
@@ -227,8 +228,11 @@ class SpeculativeConfig:
         "Speculative decoding, as JSON (vLLM's keys): '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' or '{\"model\": \"qwen2.5-coder-0.5b\", "
         "\"num_speculative_tokens\": 4}'. Optional \"disable_by_batch_size\": no speculation in a step with "
-        "more running requests; \"adaptive\" (default true): per step, speculate only where it measured faster. "
-        "Default: off.")
+        "more running requests; \"adaptive\" (default true): per step, speculate only where it measured faster; "
+        "\"max_spec_factor\" (n-gram, default 1.0): draft at most this many times the match's length in tokens "
+        "(up to num_speculative_tokens; null: always num_speculative_tokens); \"quantization\" (draft model): "
+        "\"int4\" quantizes the draft's weights to int4 at load (a GGUF draft: its layers stored wider than 5 "
+        "bits per weight), a faster draft for slightly worse guesses. Default: off.")
 
     def validate(self) -> None:
         raw = self.speculative_config
@@ -275,6 +279,18 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config: adaptive must be true or false, got {self.adaptive!r}",
                               param="speculative_config")
         self.disable_by_batch_size: int | None = disable
+        self.draft_quantization = raw.get("quantization")
+        if self.draft_quantization not in (None, "int4"):
+            raise ConfigError(f"speculative_config: quantization of the draft model is \"int4\" or null, got "
+                              f"{self.draft_quantization!r}", param="speculative_config")
+        if self.draft_quantization and method != "draft_model":
+            raise ConfigError("speculative_config: quantization applies to a draft model only",
+                              param="speculative_config")
+        self.max_spec_factor = raw.get("max_spec_factor", 1.0)
+        f = self.max_spec_factor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < math.inf):
+            raise ConfigError(f"speculative_config: max_spec_factor must be a positive number or null, got {f!r}",
+                              param="speculative_config")
 
     @property
     def enabled(self) -> bool:

@@ -131,7 +131,8 @@ class Scheduler:
         # whether to draft for the next step is decided now, so that a step without speculation drafts nothing
         propose = speculate
         if speculate and self.spec_policy is not None and self.running:
-            propose = self.spec_policy.speculate(len(self.running))
+            propose = self.spec_policy.speculate(len(self.running),
+                                                 bool(self.waiting) or any(r.is_prefilling for r in self.running))
 
         # 1. running: decodes before chunks of unfinished prefills, each group in admission order
         #    (by rank under the priority policy)

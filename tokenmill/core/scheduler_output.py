@@ -61,10 +61,13 @@ class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
     """Per request that reached its last known token: the tokens this step yields (1 + accepted
     draft tokens with speculative decoding), and their logprobs when asked for; per request the
     proposer's draft tokens for the next step, and the seconds drafting took (part of this step's
-    time, but spent for the next one: the speculation policy charges it there)."""
+    time, but spent for the next one: the speculation policy charges it there), of which a draft
+    model spent catching up on a prompt or on tokens decoded without it (a prefill, charged to no
+    step)."""
 
     sampled_token_ids: dict[str, list[int]] = {}
     logprobs: dict[str, list[TokenLogprobs]] = {}
     prompt_logprobs: dict[str, PromptLogprobs] = {}
     spec_token_ids: dict[str, list[int]] = {}
     draft_seconds: float = 0.0
+    draft_prefill_seconds: float = 0.0

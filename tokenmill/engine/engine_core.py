@@ -139,9 +139,11 @@ class EngineCore:
         policy = self.scheduler.spec_policy
         spec = sched.scheduled_spec_decode_tokens
         if policy is not None:
-            # a step's drafting is for the next step: charge it to the step that verifies the drafts
+            # a step's drafting is for the next step: charge it to the step that verifies the drafts,
+            # except a draft model's catch-up over a prompt or tokens decoded without it (a prefill
+            # after a switch: not what a step costs while speculating)
             elapsed = time.perf_counter() - t0 - result.draft_seconds + (self._draft_seconds if spec else 0.0)
-            self._draft_seconds = result.draft_seconds
+            self._draft_seconds = result.draft_seconds - result.draft_prefill_seconds
             if all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
                 policy.observe(num_running, bool(spec), elapsed, sum(len(o.new_token_ids) for o in outputs))
         self._drop_finished_if_idle()

@@ -112,6 +112,7 @@ class ModelRunner:
             self._propose([batch[i][0] for i in rows + verify
                            if sched.propose_drafts or batch[i][0].params.seed is not None], out)
             out.draft_seconds = time.perf_counter() - t0
+            out.draft_prefill_seconds = getattr(self.proposer, "prefill_seconds", 0.0)
         return out
 
     def _forward(self, batch: list[tuple[RequestState, int, list[int]]]) -> torch.Tensor | None:

@@ -128,9 +128,11 @@ class Worker:
         if spec.method == "ngram":
             from tokenmill.worker.spec_decode.ngram import NgramProposer
 
-            logger.info("speculative decoding: n-gram proposer, %d tokens, n-grams of %d..%d",
-                        spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            logger.info("speculative decoding: n-gram proposer, up to %d tokens (%s x the match), n-grams of %d..%d",
+                        spec.num_speculative_tokens, spec.max_spec_factor, spec.prompt_lookup_min,
+                        spec.prompt_lookup_max)
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                                 spec.max_spec_factor)
         return self._build_draft_model(spec, progress)
 
     def _build_draft_model(self, spec, progress: bool):
@@ -145,9 +147,7 @@ class Worker:
                               f"{target.eos_token_id}): a draft must share the target's tokenizer",
                               param="speculative_config")
         t0 = time.monotonic()
-        q = self.config.quant
-        quant_config = make_quant_config(self.quantization, source, q.quant_group_size, q.quant_dense_min_rows,
-                                         q.quant_act_bits)
+        quant_config = self._draft_quant_config(spec, source)
         model = build_model(source, cfg, self.backend, self.max_model_len, self.dtype, self.device, progress=progress,
                             quant_config=quant_config)
         if self.fused_ops:
@@ -156,10 +156,28 @@ class Worker:
             model.set_row_tile(ROW_TILE)
         self.weight_bytes += model.weight_bytes
         self.draft_config = cfg
-        logger.info("speculative decoding: draft model %s (%.0f MiB of weights) drafts %d tokens; loaded in %.1fs",
-                    source.name, model.weight_bytes / 2**20, spec.num_speculative_tokens, time.monotonic() - t0)
+        logger.info("speculative decoding: draft model %s (%s, %.0f MiB of weights) drafts %d tokens; loaded in %.1fs",
+                    source.name, quant_config.describe() if quant_config else "not quantized",
+                    model.weight_bytes / 2**20, spec.num_speculative_tokens, time.monotonic() - t0)
         return DraftModelProposer(model, self.backend, self.config.cache.block_size, spec.num_speculative_tokens,
                                   self.device, self.max_model_len)
+
+    def _draft_quant_config(self, spec, source: ModelSource):
+        """The target's quantization, or int4 at load with the draft's "quantization": "int4" (a GGUF
+        draft: requantize.py)."""
+        q = self.config.quant
+        if spec.draft_quantization != "int4":
+            return make_quant_config(self.quantization, source, q.quant_group_size, q.quant_dense_min_rows,
+                                     q.quant_act_bits)
+        if source.kind == "gguf":
+            from tokenmill.model.layers.quantization.requantize import RequantizedGGUFConfig
+            from tokenmill.model.loader import gguf_loader
+
+            resolve_quantization("gguf", source.kind, self.device)  # a clear error where the kernels are missing
+            return RequantizedGGUFConfig(gguf_loader.tensor_types(source.path), q.quant_dense_min_rows,
+                                         q.quant_act_bits)
+        return make_quant_config(resolve_quantization("int4", source.kind, self.device), source, q.quant_group_size,
+                                 q.quant_dense_min_rows, q.quant_act_bits)
 
     def prepare_grammar(self, spec: GrammarSpec) -> Future:
         """Compiles a structured-output grammar for this model's vocabulary on a background thread

@@ -12,6 +12,8 @@ hold fewer gets fewer drafts.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from tokenmill.worker.request_state import RequestState
@@ -27,6 +29,9 @@ class DraftModelProposer:
         self.device = device
         self.max_model_len = max_model_len
         self.kv_cache: torch.Tensor | None = None
+        # seconds of the last proposal's passes that caught up on a prompt (more than k + 1 new
+        # tokens): a prefill, not the per-step cost of drafting that the speculation policy weighs
+        self.prefill_seconds = 0.0
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                           storage: torch.dtype | None = None) -> None:
@@ -44,7 +49,9 @@ class DraftModelProposer:
         budget = [min(self.k, len(s.block_ids) * self.block_size - len(s.token_ids) + 1,
                       self.max_model_len - len(s.token_ids)) for s in states]
         active = [i for i, b in enumerate(budget) if b > 0]
+        self.prefill_seconds = 0.0
         for step in range(max((budget[i] for i in active), default=0)):
+            t0 = time.perf_counter()
             active = [i for i in active if budget[i] > step]
             rows = []
             for i in active:
@@ -64,4 +71,6 @@ class DraftModelProposer:
                 i = active[j]
                 drafts[i].append(tok)
                 states[i].draft_num_computed = rows[j][1] + len(rows[j][0])
+            if step == 0 and max(layout.query_lens) > self.k + 1:
+                self.prefill_seconds += time.perf_counter() - t0
         return drafts
