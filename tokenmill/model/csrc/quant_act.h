@@ -189,8 +189,13 @@ bool dispatch_qtype(int qtype, Fn&& f) {
 
 // The AVX-512 kernel (quant_gemm_rows.cpp): out[m][r] = row r of the 16 rows of groups g0 (rows
 // 0-7) and g1 (8-15) . activation row m, for m < mr <= kPairRows; false when this variant has none.
+// `pf`: prefetch while reading (gb: bytes per group, 0 for none; n0, n1: the groups read next, or null).
 constexpr int kPairRows = 8;
+struct Ahead {
+  int64_t gb;
+  const uint8_t *n0, *n1;
+};
 bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const ActRow* a, int mr, bool fine,
-              float out[][16]);
+              const Ahead& pf, float out[][16]);
 
 }  // namespace TM_QUANT_NS

@@ -179,21 +179,36 @@ void qgemm_pairs(const ActRow* rows, int64_t M, int64_t K, const std::vector<Sha
                  const float* bias, bool fine) {
   std::vector<int64_t> starts{0};
   for (const Shard& s : shards) starts.push_back(starts.back() + (s.rows + 15) / 16);
+  // the two groups of work item `item` (a lone last group runs twice)
+  auto groups = [&](int64_t item, size_t& si, const uint8_t*& g0, const uint8_t*& g1) {
+    while (item >= starts[si + 1]) ++si;
+    const Shard& sh = shards[si];
+    const int64_t pi = item - starts[si];
+    g0 = sh.w + 2 * pi * sh.gb;
+    g1 = 16 * pi + 8 < sh.rows ? g0 + sh.gb : g0;
+    return pi;
+  };
   at::parallel_for(0, starts.back(), 2, [&](int64_t b, int64_t e) {
     size_t si = 0;
     for (int64_t item = b; item < e; ++item) {
-      while (item >= starts[si + 1]) ++si;
+      const uint8_t *g0, *g1;
+      const int64_t pi = groups(item, si, g0, g1);
       const Shard& sh = shards[si];
-      const int64_t pi = item - starts[si];
-      const uint8_t* g0 = sh.w + 2 * pi * sh.gb;
-      const uint8_t* g1 = 16 * pi + 8 < sh.rows ? g0 + sh.gb : g0;  // a lone last group runs twice
+      // the first row tile streams the weights from memory: prefetch ahead, into the next item
+      Ahead pf{sh.gb, nullptr, nullptr};
+      if (item + 1 < e) {
+        size_t sn = si;
+        groups(item + 1, sn, pf.n0, pf.n1);
+        if (shards[sn].gb != sh.gb) pf.n0 = pf.n1 = nullptr;
+      }
+      const Ahead none{0, nullptr, nullptr};
       const int nr = static_cast<int>(std::min<int64_t>(16, sh.rows - pi * 16));
       const int64_t col = sh.first + pi * 16;
       const int64_t tile = (M + (M + kPairRows - 1) / kPairRows - 1) / ((M + kPairRows - 1) / kPairRows);  // even tiles
       for (int64_t m0 = 0; m0 < M; m0 += tile) {
         const int mr = static_cast<int>(std::min<int64_t>(tile, M - m0));
         float res[kPairRows][16];
-        pair_dot(sh.qtype, g0, g1, K, rows + m0, mr, fine, res);
+        pair_dot(sh.qtype, g0, g1, K, rows + m0, mr, fine, m0 == 0 ? pf : none, res);
         for (int m = 0; m < mr; ++m)
           for (int r = 0; r < nr; ++r)
             out[(m0 + m) * ldo + col + r] = static_cast<TO>(res[m][r] + (bias ? bias[col + r] : 0.f));
