@@ -8,7 +8,6 @@
 // resident), and the float epilogue covers 16 rows at once. Each decoded chunk serves up to
 // kPairRows activation rows. Per lane the integer dot products and the float operations are those
 // of the one-row kernel, in the same order: a row's result does not depend on the rows beside it.
-#include <cstdlib>
 #include <cstring>
 
 #include "quant_act.h"
@@ -122,13 +121,10 @@ inline void dots(const __m512i W[8], const int8_t* xq, __m512i& lo, __m512i& hi)
                                            bcast4(xq + 20)), W[6], bcast4(xq + 24)), W[7], bcast4(xq + 28));
 }
 
-int64_t prefetch_ahead() {
-  static const int64_t d = [] {
-    const char* e = std::getenv("TOKENMILL_QPF");
-    return e ? std::atoll(e) : int64_t{1024};
-  }();
-  return d;
-}
+// Bytes each weight stream is prefetched ahead of the chunk being read. Without it the kernel is
+// latency-bound on DRAM (the hardware prefetcher alone streamed ~9-10 GB/s where a plain read runs
+// ~17 GB/s); 1 KiB was the best of 1, 2 and 4 KiB on Qwen's layers (BENCHMARKS.md, issue 8).
+constexpr int64_t kPrefetchAhead = 1024;
 
 template <int QT, int MR, bool RES>
 void pair_dot_t(const uint8_t* g0, const uint8_t* g1, const X8Geom& g, int64_t K, const ActRow* a, const Ahead& pf,
@@ -137,7 +133,7 @@ void pair_dot_t(const uint8_t* g0, const uint8_t* g1, const X8Geom& g, int64_t K
   constexpr bool kTwo = QT == Q6_K;
   const int64_t C = K / 32;
   const int cpb = g.qk / 32;
-  const int64_t dist = pf.gb ? std::min(prefetch_ahead(), pf.gb) : 0;
+  const int64_t dist = pf.gb ? std::min(kPrefetchAhead, pf.gb) : 0;
   int64_t pos = dist;  // next byte offset (in each group) to prefetch
   __m512 acc[MR], aco[MR];
   for (int m = 0; m < MR; ++m) acc[m] = aco[m] = _mm512_setzero_ps();
