@@ -58,15 +58,18 @@ inline void decode_zmm(const uint8_t* b0, const uint8_t* b1, __m512i W[8]) {
   }
 }
 
+inline __m128i ld16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m128i ld8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+// 8 fp16 at p, then 8 at q, as floats; 8 bytes at p, then 8 at q, as floats
 inline __m512 ld_ph16(const uint8_t* p, const uint8_t* q) {
-  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), 1));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(ld16(p)), ld16(q), 1));
 }
-inline __m128i ld_8x2(const uint8_t* p, const uint8_t* q) {
-  return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+inline __m512 ld_u8x16(const uint8_t* p, const uint8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(ld8(p), ld8(q))));
 }
-inline __m512 ld_u8x16(const uint8_t* p, const uint8_t* q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ld_8x2(p, q))); }
-inline __m512 ld_i8x16(const uint8_t* p, const uint8_t* q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ld_8x2(p, q))); }
+inline __m512 ld_i8x16(const uint8_t* p, const uint8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(ld8(p), ld8(q))));
+}
 
 // chunk_vec (quant_act.h) of groups 0 and 1 as 16-lane vectors: the same per-lane operations
 template <int QT>
