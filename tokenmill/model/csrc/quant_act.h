@@ -51,6 +51,33 @@ inline ActRow act_row(const uint8_t* base, int64_t K) {
   return {q, f, f + C, f + 2 * C, f + 3 * C, q + K};
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+template <typename T>  // 16 activations as floats (T: float, or bf16 as its 16 bits)
+inline __m512 load16(const T* x) {
+  if constexpr (sizeof(T) == 2) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(x));
+  }
+}
+
+// 16 lanes of quantize_row's scalar loop below: the same operations, so the same codes and sums
+inline void quantize16(__m512 y, bool fine, int8_t* q, int8_t* qr, int& s, int& r) {
+  const __m512 v = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i vi = _mm512_cvtps_epi32(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(vi));
+  s = _mm512_reduce_add_epi32(vi);
+  if (fine) {
+    const __m512 e = _mm512_mul_ps(_mm512_sub_ps(y, v), _mm512_set1_ps(256.f));
+    __m512i w = _mm512_cvtps_epi32(_mm512_roundscale_ps(e, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    w = _mm512_min_epi32(_mm512_max_epi32(w, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qr), _mm512_cvtepi32_epi8(w));
+    r = _mm512_reduce_add_epi32(w);
+  }
+}
+#endif
+
 template <typename T>
 void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine) {
   const int64_t C = K / 32;
@@ -58,6 +85,21 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine) {
   float *s = dx + C, *sa = dx + 2 * C, *sb = dx + 3 * C;
   int8_t* q = reinterpret_cast<int8_t*>(dst + C * 16);
   int8_t* qr = q + K;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (int64_t c = 0; c < C; ++c) {
+    const __m512 a = load16(x + c * 32), b = load16(x + c * 32 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float scale = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    int s0, s1, r0 = 0, r1 = 0;
+    quantize16(_mm512_mul_ps(a, inv), fine, q + c * 32, qr + c * 32, s0, r0);
+    quantize16(_mm512_mul_ps(b, inv), fine, q + c * 32 + 16, qr + c * 32 + 16, s1, r1);
+    dx[c] = scale;
+    sa[c] = scale * (s0 + r0 / 256.f);
+    sb[c] = scale * (s1 + r1 / 256.f);
+    s[c] = sa[c] + sb[c];
+  }
+#else
   float xf[32];
   for (int64_t c = 0; c < C; ++c) {
     float amax = 0.f;
@@ -84,6 +126,7 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine) {
     sb[c] = scale * (s1 + r1 / 256.f);
     s[c] = sa[c] + sb[c];
   }
+#endif
 }
 
 #if defined(__AVX2__)
@@ -187,10 +230,19 @@ bool dispatch_qtype(int qtype, Fn&& f) {
   }
 }
 
+// The AVX2 / scalar kernel (quant_gemm_x8.cpp): out[m][r] = row r of an x8 group . activation row
+// m, for m < mr <= 4.
+bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, bool fine, float out[][8]);
+
 // The AVX-512 kernel (quant_gemm_rows.cpp): out[m][r] = row r of the 16 rows of groups g0 (rows
 // 0-7) and g1 (8-15) . activation row m, for m < mr <= kPairRows; false when this variant has none.
+// `pf`: prefetch while reading (gb: bytes per group, 0 for none; n0, n1: the groups read next, or null).
 constexpr int kPairRows = 8;
+struct Ahead {
+  int64_t gb;
+  const uint8_t *n0, *n1;
+};
 bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const ActRow* a, int mr, bool fine,
-              float out[][16]);
+              const Ahead& pf, float out[][16]);
 
 }  // namespace TM_QUANT_NS

@@ -7,7 +7,7 @@
 // chunk of 8 rows x 32 weights is integer dot products (VNNI vpdpbusd, or vpmaddubsw + vpmaddwd)
 // whose lanes are output rows, so the weights are read once per call, as packed as they are
 // stored, with no horizontal sums. Each decoded chunk serves several activation rows: up to 4 in
-// group_dot (AVX2, scalar), up to 8 with 16 output rows per zmm in quant_gemm_rows.cpp (AVX-512).
+// quant_gemm_x8.cpp (AVX2, scalar), up to 8 with 16 output rows per zmm in quant_gemm_rows.cpp (AVX-512).
 // Many rows (prefill): dequantize a slab of W to the activation dtype and hand it to the dense
 // GEMM (oneDNN), whose throughput wins once the weights are reused enough.
 // Compiled once per ISA variant (quant_kernels.py): the SIMD paths below follow the flags.
@@ -27,98 +27,6 @@ namespace {
 
 using namespace tmq;
 using namespace TM_QUANT_NS;
-
-// out[m][r] (m < MR, r < 8) = row r of a group . activation row m
-template <int QT, int MR, bool RES>
-void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a, float out[][8]) {
-  const int64_t C = K / 32;
-  const int cpb = g.qk / 32;
-#if defined(__AVX2__)
-  constexpr bool kSigned = kSignedQ<QT>;
-  constexpr bool kTwo = QT == Q6_K;
-  __m256 acc[MR], aco[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = aco[m] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    const int k = static_cast<int>(c % cpb);
-    const uint8_t* h = x8_block(group, g, c / cpb);
-    const uint8_t* body = h + g.block_head + k * g.body;
-    ChunkVec v;
-    chunk_vec<QT>(group, h, k, v);
-    __m256i ra[MR], rb[MR];
-    __m256i u[8];
-    decode_ymm<kBits<QT>>(body, u);
-    for (int m = 0; m < MR; ++m) {
-      auto dots = [&](const int8_t* xq, __m256i& oa, __m256i& ob) {
-      auto dp = [&](int j) {
-        int32_t xg;
-        std::memcpy(&xg, xq + 4 * j, 4);
-        const __m256i x = _mm256_set1_epi32(xg);
-        if constexpr (kSigned) {
-          return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(u[j], u[j]), _mm256_sign_epi8(x, u[j])),
-                                   _mm256_set1_epi16(1));
-        } else {
-          return _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], x), _mm256_set1_epi16(1));
-        }
-      };
-      const __m256i lo = _mm256_add_epi32(_mm256_add_epi32(dp(0), dp(1)), _mm256_add_epi32(dp(2), dp(3)));
-      const __m256i hi = _mm256_add_epi32(_mm256_add_epi32(dp(4), dp(5)), _mm256_add_epi32(dp(6), dp(7)));
-      if constexpr (kTwo) {
-        oa = lo;
-        ob = hi;
-      } else {
-        oa = _mm256_add_epi32(lo, hi);
-      }
-      };
-      dots(a[m].q + c * 32, ra[m], rb[m]);
-      if constexpr (RES) {
-        __m256i fa, fb;
-        dots(a[m].qr + c * 32, fa, fb);
-        ra[m] = _mm256_add_epi32(_mm256_slli_epi32(ra[m], 8), fa);
-        if constexpr (kTwo) rb[m] = _mm256_add_epi32(_mm256_slli_epi32(rb[m], 8), fb);
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m256 dx = _mm256_set1_ps(RES ? a[m].dx[c] / 256.f : a[m].dx[c]);
-      if constexpr (kTwo) {
-        acc[m] = _mm256_fmadd_ps(v.da, _mm256_mul_ps(_mm256_cvtepi32_ps(ra[m]), dx), acc[m]);
-        acc[m] = _mm256_fmadd_ps(v.db, _mm256_mul_ps(_mm256_cvtepi32_ps(rb[m]), dx), acc[m]);
-        aco[m] = _mm256_fmadd_ps(v.oa, _mm256_set1_ps(a[m].sa[c]), aco[m]);
-        aco[m] = _mm256_fmadd_ps(v.ob, _mm256_set1_ps(a[m].sb[c]), aco[m]);
-      } else {
-        acc[m] = _mm256_fmadd_ps(v.da, _mm256_mul_ps(_mm256_cvtepi32_ps(ra[m]), dx), acc[m]);
-        aco[m] = _mm256_fmadd_ps(v.oa, _mm256_set1_ps(a[m].s[c]), aco[m]);
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(out[m], _mm256_add_ps(acc[m], aco[m]));
-#else
-  float acc[MR][8] = {};
-  uint8_t u[8][32];
-  for (int64_t c = 0; c < C; ++c) {
-    const uint8_t* body = x8_block(group, g, c / cpb) + g.block_head + (c % cpb) * g.body;
-    X8Scales s;
-    x8_chunk_scales(QT, group, g, c, s);
-    x8_chunk_bytes(body, g, u);
-    for (int r = 0; r < 8; ++r) {
-      for (int m = 0; m < MR; ++m) {
-        const int8_t* x = a[m].q + c * 32;
-        const int8_t* xr = a[m].qr + c * 32;
-        int d0 = 0, d1 = 0;
-        for (int i = 0; i < 16; ++i) {
-          const int w0 = kSignedQ<QT> ? static_cast<int8_t>(u[r][i]) : u[r][i];
-          const int w1 = kSignedQ<QT> ? static_cast<int8_t>(u[r][i + 16]) : u[r][i + 16];
-          d0 += w0 * (RES ? 256 * x[i] + xr[i] : x[i]);
-          d1 += w1 * (RES ? 256 * x[i + 16] + xr[i + 16] : x[i + 16]);
-        }
-        const float dx = RES ? a[m].dx[c] / 256.f : a[m].dx[c];
-        acc[m][r] += dx * (s.d[r][0] * d0 + s.d[r][1] * d1) + s.off[r][0] * a[m].sa[c] + s.off[r][1] * a[m].sb[c];
-      }
-    }
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < 8; ++r) out[m][r] = acc[m][r];
-#endif
-}
 
 // Rows [r0, r1) of a packed weight as floats (dst row stride K).
 template <typename T>
@@ -179,21 +87,36 @@ void qgemm_pairs(const ActRow* rows, int64_t M, int64_t K, const std::vector<Sha
                  const float* bias, bool fine) {
   std::vector<int64_t> starts{0};
   for (const Shard& s : shards) starts.push_back(starts.back() + (s.rows + 15) / 16);
+  // the two groups of work item `item` (a lone last group runs twice)
+  auto groups = [&](int64_t item, size_t& si, const uint8_t*& g0, const uint8_t*& g1) {
+    while (item >= starts[si + 1]) ++si;
+    const Shard& sh = shards[si];
+    const int64_t pi = item - starts[si];
+    g0 = sh.w + 2 * pi * sh.gb;
+    g1 = 16 * pi + 8 < sh.rows ? g0 + sh.gb : g0;
+    return pi;
+  };
   at::parallel_for(0, starts.back(), 2, [&](int64_t b, int64_t e) {
     size_t si = 0;
     for (int64_t item = b; item < e; ++item) {
-      while (item >= starts[si + 1]) ++si;
+      const uint8_t *g0, *g1;
+      const int64_t pi = groups(item, si, g0, g1);
       const Shard& sh = shards[si];
-      const int64_t pi = item - starts[si];
-      const uint8_t* g0 = sh.w + 2 * pi * sh.gb;
-      const uint8_t* g1 = 16 * pi + 8 < sh.rows ? g0 + sh.gb : g0;  // a lone last group runs twice
+      // the first row tile streams the weights from memory: prefetch ahead, into the next item
+      Ahead pf{sh.gb, nullptr, nullptr};
+      if (item + 1 < e) {
+        size_t sn = si;
+        groups(item + 1, sn, pf.n0, pf.n1);
+        if (shards[sn].gb != sh.gb) pf.n0 = pf.n1 = nullptr;
+      }
+      const Ahead none{0, nullptr, nullptr};
       const int nr = static_cast<int>(std::min<int64_t>(16, sh.rows - pi * 16));
       const int64_t col = sh.first + pi * 16;
       const int64_t tile = (M + (M + kPairRows - 1) / kPairRows - 1) / ((M + kPairRows - 1) / kPairRows);  // even tiles
       for (int64_t m0 = 0; m0 < M; m0 += tile) {
         const int mr = static_cast<int>(std::min<int64_t>(tile, M - m0));
         float res[kPairRows][16];
-        pair_dot(sh.qtype, g0, g1, K, rows + m0, mr, fine, res);
+        pair_dot(sh.qtype, g0, g1, K, rows + m0, mr, fine, m0 == 0 ? pf : none, res);
         for (int m = 0; m < mr; ++m)
           for (int r = 0; r < nr; ++r)
             out[(m0 + m) * ldo + col + r] = static_cast<TO>(res[m][r] + (bias ? bias[col + r] : 0.f));
@@ -223,31 +146,17 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
       while (item >= starts[si + 1]) ++si;
       const Shard& sh = shards[si];
       const int64_t gi = item - starts[si];
-      const X8Geom g = x8_geom(sh.qtype);
       const uint8_t* group = sh.w + gi * sh.gb;
       const int nr = static_cast<int>(std::min<int64_t>(8, sh.rows - gi * 8));
-      dispatch_qtype(sh.qtype, [&](auto qt) {
-        constexpr int QT = decltype(qt)::value;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const int64_t mr = std::min<int64_t>(4, M - m0);
-          float res[4][8];
-          auto run = [&](auto res_tag) {
-            constexpr bool R = decltype(res_tag)::value;
-            switch (mr) {
-              case 4: group_dot<QT, 4, R>(group, g, K, &rows[m0], res); break;
-              case 3: group_dot<QT, 3, R>(group, g, K, &rows[m0], res); break;
-              case 2: group_dot<QT, 2, R>(group, g, K, &rows[m0], res); break;
-              default: group_dot<QT, 1, R>(group, g, K, &rows[m0], res); break;
-            }
-          };
-          if (fine) run(std::true_type{});
-          else run(std::false_type{});
-          const int64_t col = sh.first + gi * 8;
-          for (int64_t m = 0; m < mr; ++m)
-            for (int r = 0; r < nr; ++r)
-              out[(m0 + m) * ldo + col + r] = static_cast<TO>(res[m][r] + (bias ? bias[col + r] : 0.f));
-        }
-      });
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int mr = static_cast<int>(std::min<int64_t>(4, M - m0));
+        float res[4][8];
+        group_dot_rows(sh.qtype, group, K, &rows[m0], mr, fine, res);
+        const int64_t col = sh.first + gi * 8;
+        for (int64_t m = 0; m < mr; ++m)
+          for (int r = 0; r < nr; ++r)
+            out[(m0 + m) * ldo + col + r] = static_cast<TO>(res[m][r] + (bias ? bias[col + r] : 0.f));
+      }
     }
   });
 }

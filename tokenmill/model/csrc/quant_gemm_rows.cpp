@@ -27,6 +27,80 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// decode_ymm of two chunk bodies at once: zmm j = ymm j of b0 (rows 0-7), then of b1 (rows 8-15);
+// the 5th and 6th bits go in as byte masks (one masked add each) rather than expanded bit by bit.
+template <int BITS>
+inline void decode_zmm(const uint8_t* b0, const uint8_t* b1, __m512i W[8]) {
+  auto ld2 = [](const uint8_t* p, const uint8_t* q) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)), 1);
+  };
+  if constexpr (BITS == 8) {
+    for (int j = 0; j < 8; ++j) W[j] = ld2(b0 + 32 * j, b1 + 32 * j);
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i h = ld2(b0 + 32 * j, b1 + 32 * j);
+      W[j] = _mm512_and_si512(h, m4);
+      W[j + 4] = _mm512_and_si512(_mm512_srli_epi16(h, 4), m4);
+    }
+    auto add_bits = [&](int at, char value) {
+      for (int j = 0; j < 8; ++j) {
+        uint32_t lo, hi;
+        std::memcpy(&lo, b0 + at + 4 * j, 4);
+        std::memcpy(&hi, b1 + at + 4 * j, 4);
+        const __mmask64 k = _cvtu64_mask64(static_cast<uint64_t>(hi) << 32 | lo);
+        W[j] = _mm512_mask_add_epi8(W[j], k, W[j], _mm512_set1_epi8(value));
+      }
+    };
+    if constexpr (BITS >= 5) add_bits(128, 0x10);
+    if constexpr (BITS == 6) add_bits(160, 0x20);
+  }
+}
+
+inline __m128i ld16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m128i ld8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+// 8 fp16 at p, then 8 at q, as floats; 8 bytes at p, then 8 at q, as floats
+inline __m512 ld_ph16(const uint8_t* p, const uint8_t* q) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(ld16(p)), ld16(q), 1));
+}
+inline __m512 ld_u8x16(const uint8_t* p, const uint8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(ld8(p), ld8(q))));
+}
+inline __m512 ld_i8x16(const uint8_t* p, const uint8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(ld8(p), ld8(q))));
+}
+
+// chunk_vec (quant_act.h) of groups 0 and 1 as 16-lane vectors: the same per-lane operations
+template <int QT>
+inline void chunk_vec16(const uint8_t* g0, const uint8_t* h0, const uint8_t* g1, const uint8_t* h1, int k,
+                        __m512& da, __m512& db, __m512& oa, __m512& ob) {
+  if constexpr (QT == Q4_0 || QT == Q5_0 || QT == Q8_0) {
+    da = ld_ph16(h0, h1);
+    oa = _mm512_mul_ps(da, _mm512_set1_ps(QT == Q4_0 ? -8.f : QT == Q5_0 ? -16.f : 0.f));
+  } else if constexpr (QT == Q4_1 || QT == Q5_1 || QT == I4_G128) {
+    da = ld_ph16(h0, h1);
+    oa = ld_ph16(h0 + 16, h1 + 16);
+  } else if constexpr (QT == I8_ROW) {
+    da = join(_mm256_loadu_ps(reinterpret_cast<const float*>(g0)), _mm256_loadu_ps(reinterpret_cast<const float*>(g1)));
+    oa = _mm512_setzero_ps();
+  } else if constexpr (QT == Q4_K || QT == Q5_K) {
+    da = _mm512_mul_ps(ld_ph16(h0, h1), ld_u8x16(h0 + 32 + 8 * k, h1 + 32 + 8 * k));
+    oa = _mm512_mul_ps(ld_ph16(h0 + 16, h1 + 16),
+                       _mm512_mul_ps(ld_u8x16(h0 + 96 + 8 * k, h1 + 96 + 8 * k), _mm512_set1_ps(-1.f)));
+  } else {  // Q6_K
+    const __m512 d = ld_ph16(h0, h1);
+    da = _mm512_mul_ps(d, ld_i8x16(h0 + 16 + 16 * k, h1 + 16 + 16 * k));
+    db = _mm512_mul_ps(d, ld_i8x16(h0 + 24 + 16 * k, h1 + 24 + 16 * k));
+    oa = _mm512_mul_ps(da, _mm512_set1_ps(-32.f));
+    ob = _mm512_mul_ps(db, _mm512_set1_ps(-32.f));
+  }
+  if constexpr (QT != Q6_K) {
+    db = da;
+    ob = oa;
+  }
+}
+
 // acc + (4 weights of 16 rows in W) . (the same 4 activations in every lane x)
 template <bool kSigned>
 inline __m512i dp(__m512i acc, __m512i w, __m512i x) {
@@ -50,35 +124,46 @@ inline void dots(const __m512i W[8], const int8_t* xq, __m512i& lo, __m512i& hi)
                                            bcast4(xq + 20)), W[6], bcast4(xq + 24)), W[7], bcast4(xq + 28));
 }
 
+// Bytes each weight stream is prefetched ahead of the chunk being read. Without it the kernel is
+// latency-bound on DRAM (the hardware prefetcher alone streamed ~9-10 GB/s where a plain read runs
+// ~17 GB/s); 1 KiB was the best of 1, 2 and 4 KiB on Qwen's layers (BENCHMARKS.md, issue 8).
+constexpr int64_t kPrefetchAhead = 1024;
+
 template <int QT, int MR, bool RES>
-void pair_dot_t(const uint8_t* g0, const uint8_t* g1, const X8Geom& g, int64_t K, const ActRow* a, float out[][16]) {
+void pair_dot_t(const uint8_t* g0, const uint8_t* g1, const X8Geom& g, int64_t K, const ActRow* a, const Ahead& pf,
+                float out[][16]) {
   constexpr bool kSigned = kSignedQ<QT>;
   constexpr bool kTwo = QT == Q6_K;
   const int64_t C = K / 32;
   const int cpb = g.qk / 32;
+  const int64_t dist = pf.gb ? std::min(kPrefetchAhead, pf.gb) : 0;
+  int64_t pos = dist;  // next byte offset (in each group) to prefetch
   __m512 acc[MR], aco[MR];
   for (int m = 0; m < MR; ++m) acc[m] = aco[m] = _mm512_setzero_ps();
   for (int64_t c = 0; c < C; ++c) {
+    if (dist) {  // keep both streams `dist` bytes ahead of the chunk being read, into the next item
+      for (const int64_t upto = (c + 1) * pf.gb / C + dist; pos < upto; pos += 64) {
+        if (pos < pf.gb) {
+          _mm_prefetch(reinterpret_cast<const char*>(g0 + pos), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(g1 + pos), _MM_HINT_T0);
+        } else if (pf.n0) {
+          _mm_prefetch(reinterpret_cast<const char*>(pf.n0 + pos - pf.gb), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(pf.n1 + pos - pf.gb), _MM_HINT_T0);
+        }
+      }
+    }
     const int k = static_cast<int>(c % cpb);
     const uint8_t* h0 = x8_block(g0, g, c / cpb);
     const uint8_t* h1 = x8_block(g1, g, c / cpb);
-    ChunkVec v0, v1;
-    chunk_vec<QT>(g0, h0, k, v0);
-    chunk_vec<QT>(g1, h1, k, v1);
-    const __m512 da = join(v0.da, v1.da), db = join(v0.db, v1.db);
-    __m512 oa = join(v0.oa, v1.oa), ob = join(v0.ob, v1.ob);
+    __m512 da, db, oa, ob;
+    chunk_vec16<QT>(g0, h0, g1, h1, k, da, db, oa, ob);
     if constexpr (kSigned && kVNNI) {  // dot products run on q + 128
       oa = ob = _mm512_mul_ps(da, _mm512_set1_ps(-128.f));
     }
     __m512i W[8];
-    {
-      __m256i u0[8], u1[8];
-      decode_ymm<kBits<QT>>(h0 + g.block_head + k * g.body, u0);
-      decode_ymm<kBits<QT>>(h1 + g.block_head + k * g.body, u1);
-      for (int j = 0; j < 8; ++j) {
-        W[j] = _mm512_inserti64x4(_mm512_castsi256_si512(u0[j]), u1[j], 1);
-        if constexpr (kSigned && kVNNI) W[j] = _mm512_xor_si512(W[j], _mm512_set1_epi8(-128));
-      }
+    decode_zmm<kBits<QT>>(h0 + g.block_head + k * g.body, h1 + g.block_head + k * g.body, W);
+    if constexpr (kSigned && kVNNI) {
+      for (int j = 0; j < 8; ++j) W[j] = _mm512_xor_si512(W[j], _mm512_set1_epi8(-128));
     }
     for (int m = 0; m < MR; ++m) {
       __m512i lo, hi;
@@ -107,7 +192,7 @@ void pair_dot_t(const uint8_t* g0, const uint8_t* g1, const X8Geom& g, int64_t K
 }  // namespace
 
 bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const ActRow* a, int mr, bool fine,
-              float out[][16]) {
+              const Ahead& pf, float out[][16]) {
   const X8Geom g = x8_geom(qtype);
   return dispatch_qtype(qtype, [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
@@ -115,14 +200,14 @@ bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const 
       constexpr bool R = decltype(res_tag)::value;
       static_assert(kPairRows <= 8, "the switch below covers 1..8 rows");
       switch (mr) {
-        case 8: pair_dot_t<QT, 8, R>(g0, g1, g, K, a, out); break;
-        case 7: pair_dot_t<QT, 7, R>(g0, g1, g, K, a, out); break;
-        case 6: pair_dot_t<QT, 6, R>(g0, g1, g, K, a, out); break;
-        case 5: pair_dot_t<QT, 5, R>(g0, g1, g, K, a, out); break;
-        case 4: pair_dot_t<QT, 4, R>(g0, g1, g, K, a, out); break;
-        case 3: pair_dot_t<QT, 3, R>(g0, g1, g, K, a, out); break;
-        case 2: pair_dot_t<QT, 2, R>(g0, g1, g, K, a, out); break;
-        default: pair_dot_t<QT, 1, R>(g0, g1, g, K, a, out); break;
+        case 8: pair_dot_t<QT, 8, R>(g0, g1, g, K, a, pf, out); break;
+        case 7: pair_dot_t<QT, 7, R>(g0, g1, g, K, a, pf, out); break;
+        case 6: pair_dot_t<QT, 6, R>(g0, g1, g, K, a, pf, out); break;
+        case 5: pair_dot_t<QT, 5, R>(g0, g1, g, K, a, pf, out); break;
+        case 4: pair_dot_t<QT, 4, R>(g0, g1, g, K, a, pf, out); break;
+        case 3: pair_dot_t<QT, 3, R>(g0, g1, g, K, a, pf, out); break;
+        case 2: pair_dot_t<QT, 2, R>(g0, g1, g, K, a, pf, out); break;
+        default: pair_dot_t<QT, 1, R>(g0, g1, g, K, a, pf, out); break;
       }
     };
     if (fine) run(std::true_type{});
@@ -132,7 +217,9 @@ bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const 
 
 #else
 
-bool pair_dot(int, const uint8_t*, const uint8_t*, int64_t, const ActRow*, int, bool, float[][16]) { return false; }
+bool pair_dot(int, const uint8_t*, const uint8_t*, int64_t, const ActRow*, int, bool, const Ahead&, float[][16]) {
+  return false;
+}
 
 #endif
 

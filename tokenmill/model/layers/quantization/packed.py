@@ -6,10 +6,11 @@ Policy for the product x[M, K] . W^T, by the number of rows M:
 - M < dense_min_rows: the packed kernel (int8 activations, integer dot products); it reads the
   weights once per call, as stored, which is what decoding at low concurrency is bound by;
 - M >= dense_min_rows: dequantize W slab by slab and run the dense GEMM (oneDNN, AMX where the
-  CPU has it), which wins once each weight is reused by enough rows.
+  CPU has it), which wins once each weight is reused by enough rows, if it does at all.
 The crossover is measured per kind of CPU (benchmarks/quant_crossover.py, BENCHMARKS.md) and can be
-set with --quant-dense-min-rows. In batch-invariant mode every product takes the packed kernel,
-which computes each row the same way whatever the batch.
+set with --quant-dense-min-rows; None in DENSE_MIN_ROWS: the packed kernel at every row count. In
+batch-invariant mode every product takes the packed kernel, which computes each row the same way
+whatever the batch (so where the policy is None, packed weights are row-invariant anyway).
 """
 
 from __future__ import annotations
@@ -23,14 +24,17 @@ from tokenmill.model.layers.quantization.formats import BY_ID, row_bytes
 from tokenmill.model.quant_kernels import quant_ops
 from tokenmill.utils.cpu import active_isa
 
-# measured crossovers (rows) per ISA level: see BENCHMARKS.md, "Quantized GEMM crossover"
-# (avx512_bf16: 128, measured 2026-11-22 on a Xeon without AMX; the others not yet re-measured since
-# the x8 layout made the packed kernel faster)
-DENSE_MIN_ROWS = {"scalar": 1, "avx2": 16, "avx512": 16, "avx512_bf16": 128, "amx": 16}
+# measured crossovers (rows) per ISA level: see BENCHMARKS.md, "Quantized GEMM crossover".
+# avx512_bf16 (a Xeon without AMX, 2026-11-22): the packed kernel is faster than dequant+GEMM, and
+# than oneDNN's bf16 GEMM on a dense copy, at every row count up to 2048 (the default step budget)
+# but Q6_K at 2048 (a tie), so it runs everything. scalar, avx2, avx512, amx: not re-measured since
+# the x8 layout and the 16-row AVX-512 kernel made the packed kernel faster.
+DENSE_MIN_ROWS: dict[str, int | None] = {"scalar": 1, "avx2": 16, "avx512": 16, "avx512_bf16": None, "amx": 16}
 
 
 def default_dense_min_rows() -> int:
-    return DENSE_MIN_ROWS[active_isa()]
+    """The active ISA's crossover; 0: never dequantize (what qlinear takes as "no dense path")."""
+    return DENSE_MIN_ROWS[active_isa()] or 0
 
 
 class PackedLinearMethod(LinearMethod):
