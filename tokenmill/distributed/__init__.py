@@ -107,15 +107,30 @@ def tp_all_gather_cols(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
 
 
-def pp_send(tensors: list[torch.Tensor], dst_stage: int) -> None:
-    for t in tensors:
-        dist.send(t.contiguous(), _STATE.stage_rank(dst_stage))
-
-
-def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, src_stage: int) -> list[torch.Tensor]:
+def pp_isend(tensors: list[torch.Tensor], dst_stage: int, tag: int = 0) -> list[tuple[object, torch.Tensor]]:
+    """Start sending `tensors` (tags tag, tag + 1, ...) to the same tensor rank of stage `dst_stage`;
+    returns the pending sends, each with the tensor it must keep alive until `wait_all`."""
+    dst = _STATE.stage_rank(dst_stage)
     out = []
-    for shape in shapes:
-        t = torch.empty(shape, dtype=dtype)
-        dist.recv(t, _STATE.stage_rank(src_stage))
-        out.append(t)
+    for i, t in enumerate(tensors):
+        t = t.contiguous()
+        out.append((dist.isend(t, dst, tag=tag + i), t))
     return out
+
+
+def pp_irecv(shapes: list[tuple[int, ...]], dtype: torch.dtype, src_stage: int, tag: int = 0,
+             device: torch.device | None = None) -> list[tuple[object, torch.Tensor]]:
+    """Post receives for tensors sent by `pp_isend(..., tag)` from stage `src_stage`."""
+    src = _STATE.stage_rank(src_stage)
+    out = []
+    for i, shape in enumerate(shapes):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        out.append((dist.irecv(t, src, tag=tag + i), t))
+    return out
+
+
+def wait_all(pending: list[tuple[object, torch.Tensor]]) -> list[torch.Tensor]:
+    """Wait for sends or receives (each fails after the collective timeout); their tensors."""
+    for work, _ in pending:
+        work.wait()
+    return [t for _, t in pending]
