@@ -6,6 +6,7 @@ runs it, and returns the encoded ModelRunnerOutput on the last rank (None elsewh
 
 from __future__ import annotations
 
+import json
 import logging
 import traceback
 
@@ -42,6 +43,13 @@ class RankWorker:
     def step(self, data: bytes) -> bytes | None:
         msg = self._decode(data)
         out: ModelRunnerOutput = self.worker.runner.execute(msg.sched, msg.prev_sampled)
+        stats = distributed.state().stats
+        if stats.calls and logger.isEnabledFor(logging.DEBUG):  # benchmarks/tp_overhead.py reads these
+            logger.debug("all-reduce stats %s", json.dumps(dict(tokens=msg.sched.total_num_scheduled_tokens,
+                                                                calls=stats.calls, bytes=stats.bytes,
+                                                                seconds=stats.seconds)))
+            stats.calls = stats.bytes = 0
+            stats.seconds = 0.0
         return self._encode(out) if self.is_output else None
 
     def close(self) -> None:
