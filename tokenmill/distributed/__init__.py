@@ -7,6 +7,8 @@ the layers are the same code with and without parallelism. Collectives time out 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -71,6 +73,19 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, ti
     pp_rank, tp_rank = divmod(rank, tp_size)
     _STATE = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank])
     return _STATE
+
+
+@contextlib.contextmanager
+def whole_pipeline():
+    """While inside, this rank acts as the only pipeline stage (its tensor-parallel group
+    unchanged): a model built here holds every layer, e.g. the draft model of the last stage."""
+    global _STATE
+    saved = _STATE
+    _STATE = dataclasses.replace(saved, pp_rank=0, pp_size=1)
+    try:
+        yield
+    finally:
+        _STATE = saved
 
 
 def destroy_distributed() -> None:
