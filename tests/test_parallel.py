@@ -184,10 +184,26 @@ def test_tp2_gguf_packed_blocks_split_whole(smol_path):
     assert diff < 0.05, diff
 
 
-def test_killed_rank_is_a_clean_error(tiny_llama_dir):
+def test_startup_line_says_how_cores_are_shared(monkeypatch):
+    from tokenmill.executor import core_sharing
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    line, over = core_sharing(EngineConfig.from_kwargs(tensor_parallel_size=2, num_threads=4))
+    assert not over and "2 ranks (tensor 2 x pipeline 1)" in line and "4 threads (--num-threads)" in line
+    assert "2 per rank, 4 in all on 4 cores" in line
+    line, over = core_sharing(EngineConfig.from_kwargs(pipeline_parallel_size=2, num_threads=5))
+    assert not over and "1 thread(s) unused" in line
+    line, over = core_sharing(EngineConfig.from_kwargs(tensor_parallel_size=4, pipeline_parallel_size=2, num_threads=4))
+    assert over and "8 in all on 4 cores" in line and "slow each other" in line
+
+
+def test_killed_rank_is_a_clean_error(tiny_llama_dir, caplog):
+    caplog.set_level("INFO", logger="tokenmill.executor")
     llm = LLM(str(tiny_llama_dir), dtype="float32", tensor_parallel_size=2, kv_cache_memory="16MiB",
               max_model_len=256, collective_timeout=20, progress=False)
     try:
+        assert any("shared as" in r.getMessage() and "per rank" in r.getMessage() for r in caplog.records)
         assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         procs = llm.engine.core.executor.procs
         os.kill(procs[1].pid, signal.SIGKILL)
