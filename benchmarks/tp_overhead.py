@@ -98,7 +98,7 @@ def decode(args):
 
     from tokenmill import LLM
 
-    for tp, pp, threads in ((1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)):
+    for tp, pp, threads in [tuple(map(int, c.split(","))) for c in args.configs]:
         with rank_debug_log() as read:
             llm = LLM(dtype=args.dtype, quantization="none", tensor_parallel_size=tp, pipeline_parallel_size=pp,
                       num_threads=threads, kv_cache_memory="512MiB", max_model_len=512, progress=False)
@@ -128,29 +128,50 @@ def ring_allreduce_us(nbytes: float, n: int, latency_us: float, bw_gb_s: float) 
     return (n - 1) * latency_us + 2 * (n - 1) / n * nbytes / (bw_gb_s * 1e3)
 
 
+def _fit(points):
+    """(latency_us, GB/s) of us = latency + bytes / bandwidth over (bytes, us) points."""
+    slope, intercept = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+    return round(intercept, 1), round(1e-3 / slope, 3) if slope > 0 else float("inf")
+
+
 def model(args):
     rows = [json.loads(line) for path in args.files for line in open(path) if line.startswith("{")]
-    fit = next(r for r in rows if r.get("kind") == "allreduce_fit" and r["dtype"] == args.dtype)
-    t1 = {r["batch"]: r["ms_per_step"] for r in rows if r.get("kind") == "decode" and r["dtype"] == args.dtype
-          and (r["tp"], r["pp"], r["threads_total"]) == (1, 1, 1)}
+    dec = [r for r in rows if r.get("kind") == "decode" and r["dtype"] == args.dtype]
+    t1 = {r["batch"]: r["ms_per_step"] for r in dec if (r["tp"], r["pp"], r["threads_total"]) == (1, 1, 1)}
+    batches = sorted(t1)
+
+    def t1_at(b: float) -> float:  # piecewise linear between the measured batches
+        lo = max([x for x in batches if x <= b], default=batches[0])
+        hi = min([x for x in batches if x >= b], default=batches[-1])
+        return t1[lo] if hi == lo else t1[lo] + (t1[hi] - t1[lo]) * (b - lo) / (hi - lo)
+
     elem = 4 if args.dtype == "float32" else 2
-    links = {"measured gloo loopback": (fit["latency_us"], fit["bandwidth_GB_s"])}
+    links = {}
+    fit = [r for r in rows if r.get("kind") == "allreduce_fit" and r["dtype"] == args.dtype]
+    if fit:
+        links["gloo loopback, isolated"] = (fit[0]["latency_us"], fit[0]["bandwidth_GB_s"])
+    engine = [(r["allreduce_bytes_per_step"] / r["allreduce_calls_per_step"],
+               r["allreduce_ms_per_step"] * 1e3 / r["allreduce_calls_per_step"])
+              for r in dec if r.get("allreduce_calls_per_step")]
+    if len(engine) >= 2:
+        links["gloo loopback, in the engine"] = _fit(engine)
     for spec in args.link or []:  # name=latency_us:GB/s, assumed figures for other interconnects
-        name, vals = spec.split("=")
+        name, vals = spec.rsplit("=", 1)
         lat, bw = vals.split(":")
         links[name] = (float(lat), float(bw))
-    batches = sorted(t1)
+    calls = 2 * LAYERS + 1  # two per layer and the vocabulary-parallel embedding's
     for name, (lat, bw) in links.items():
+        print(json.dumps(dict(kind="model_link", link=name, latency_us=lat, bandwidth_GB_s=bw)), flush=True)
         for b in batches:
             per_n = {}
             for n in (1, 2, 4, 8):
-                comm_ms = 2 * LAYERS * ring_allreduce_us(b * HIDDEN * elem, n, lat, bw) / 1e3
+                comm_ms = calls * ring_allreduce_us(b * HIDDEN * elem, n, lat, bw) / 1e3
                 per_n[n] = dict(ms_per_step=round(t1[b] / n + comm_ms, 2), comm_ms=round(comm_ms, 2))
             print(json.dumps(dict(kind="model", link=name, batch=b, t1_ms=t1[b], tp=per_n)), flush=True)
-        # TP=N against N replicas each running B/N: where the replicas' throughput overtakes
+        # TP=N at batch B against N replicas each running B/N: where the replicas' throughput overtakes
         for n in (2, 4, 8):
-            loses = [b for b in batches if b % n == 0 and b // n in t1 and
-                     t1[b] / n + 2 * LAYERS * ring_allreduce_us(b * HIDDEN * elem, n, lat, bw) / 1e3 > t1[b // n]]
+            loses = [b for b in range(n, batches[-1] + 1, n) if b // n >= batches[0] and
+                     t1_at(b) / n + calls * ring_allreduce_us(b * HIDDEN * elem, n, lat, bw) / 1e3 > t1_at(b / n)]
             print(json.dumps(dict(kind="model_crossover", link=name, n=n,
                                   tp_loses_to_replicas_from_batch=min(loses) if loses else None)), flush=True)
 
@@ -166,6 +187,8 @@ def main():
     d.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     d.add_argument("--output-len", type=int, default=16)
     d.add_argument("--dtype", default="float32")
+    d.add_argument("--configs", nargs="+", default=["1,1,1", "1,1,2", "2,1,2", "1,2,2"],
+                   help="tp,pp,total threads")
     m = sub.add_parser("model")
     m.add_argument("files", nargs="+")
     m.add_argument("--dtype", default="float32")
