@@ -32,26 +32,34 @@ HIDDEN = 576  # SmolLM2-135M
 LAYERS = 30
 
 
-def _allreduce_rank(rank, port, batches, dtypes, reps, queue):
+def _allreduce_rank(rank, port, batches, dtypes, reps, queue, transport):
+    from tokenmill import distributed
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init = f"tcp://127.0.0.1:{port}"
+    if transport == "gloo":
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+        all_reduce = dist.all_reduce
+    else:  # tokenmill's: shared memory up to a slot (the engine's default on one x86 machine), gloo beyond
+        assert distributed.init_distributed(rank, 2, 1, init, 60.0).shm is not None
+        all_reduce = distributed.tp_all_reduce
     for dtype in dtypes:
         for b in batches:
             x = torch.randn(b, HIDDEN).to(dtype)
             for _ in range(20):
-                dist.all_reduce(x)
+                all_reduce(x)
             times = []
             for _ in range(reps):
                 dist.barrier()
                 t0 = time.perf_counter()
-                dist.all_reduce(x)
+                all_reduce(x)
                 times.append(time.perf_counter() - t0)
             if rank == 0:
                 us = statistics.median(times) * 1e6
-                queue.put(dict(kind="allreduce", dtype=str(dtype).removeprefix("torch."), batch=b,
+                queue.put(dict(kind="allreduce", transport=transport, dtype=str(dtype).removeprefix("torch."), batch=b,
                                bytes_per_allreduce=x.numel() * x.element_size(), us_per_allreduce=round(us, 1),
                                us_per_layer=round(2 * us, 1), ms_per_step_30_layers=round(2 * LAYERS * us / 1e3, 2)))
-    dist.destroy_process_group()
+    distributed.destroy_distributed() if transport != "gloo" else dist.destroy_process_group()
 
 
 def allreduce(args):
@@ -61,7 +69,8 @@ def allreduce(args):
     ctx = tmp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, args.batches, dtypes, args.reps, queue))
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, args.batches, dtypes, args.reps, queue,
+                                                                  args.transport))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -74,7 +83,8 @@ def allreduce(args):
         mine = [r for r in rows if r["dtype"] == dtype]
         slope, intercept = statistics.linear_regression([r["bytes_per_allreduce"] for r in mine],
                                                         [r["us_per_allreduce"] for r in mine])
-        print(json.dumps(dict(kind="allreduce_fit", dtype=dtype, latency_us=round(intercept, 1),
+        print(json.dumps(dict(kind="allreduce_fit", transport=args.transport, dtype=dtype,
+                              latency_us=round(intercept, 1),
                               bandwidth_GB_s=round(1e-3 / slope, 2) if slope > 0 else None)), flush=True)
 
 
@@ -147,14 +157,14 @@ def model(args):
 
     elem = 4 if args.dtype == "float32" else 2
     links = {}
-    fit = [r for r in rows if r.get("kind") == "allreduce_fit" and r["dtype"] == args.dtype]
-    if fit:
-        links["gloo loopback, isolated"] = (fit[0]["latency_us"], fit[0]["bandwidth_GB_s"])
+    for r in rows:
+        if r.get("kind") == "allreduce_fit" and r["dtype"] == args.dtype:
+            links[f"{r.get('transport', 'gloo')}, isolated"] = (r["latency_us"], r["bandwidth_GB_s"])
     engine = [(r["allreduce_bytes_per_step"] / r["allreduce_calls_per_step"],
                r["allreduce_ms_per_step"] * 1e3 / r["allreduce_calls_per_step"])
               for r in dec if r.get("allreduce_calls_per_step")]
     if len(engine) >= 2:
-        links["gloo loopback, in the engine"] = _fit(engine)
+        links["in the engine (TP=2 decode runs)"] = _fit(engine)
     for spec in args.link or []:  # name=latency_us:GB/s, assumed figures for other interconnects
         name, vals = spec.rsplit("=", 1)
         lat, bw = vals.split(":")
@@ -183,6 +193,7 @@ def main():
     a.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
     a.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     a.add_argument("--reps", type=int, default=200)
+    a.add_argument("--transport", choices=["gloo", "tokenmill"], default="gloo")
     d = sub.add_parser("decode")
     d.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     d.add_argument("--output-len", type=int, default=16)
