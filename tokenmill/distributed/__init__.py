@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +39,7 @@ class ParallelState:
     pp_size: int = 1
     tp_group: object = None
     stats: CommStats = field(default_factory=CommStats)
+    shm: object = None  # ShmAllReduce when the stage's tensor ranks share this machine
 
     @property
     def rank(self) -> int:
@@ -72,7 +78,53 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, ti
               for s in range(pp_size)]
     pp_rank, tp_rank = divmod(rank, tp_size)
     _STATE = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank])
+    if tp_size > 1 and backend == "gloo":
+        _STATE.shm = _shared_memory_all_reduce(init_method, groups[pp_rank], tp_rank, tp_size, pp_rank, timeout_s)
     return _STATE
+
+
+def _shared_memory_all_reduce(init_method: str, group, tp_rank: int, tp_size: int, pp_rank: int,
+                              timeout_s: float):
+    """A shm.ShmAllReduce for this stage's tensor ranks when every one of them maps the same segment
+    (same machine, same /dev/shm), else None (gloo). Every rank takes the same decision."""
+    from tokenmill.distributed import shm
+
+    def agree(ok: bool) -> bool:
+        flags = [None] * tp_size
+        dist.all_gather_object(flags, ok, group=group)
+        return all(flags)
+
+    here = None
+    if shm.supported():
+        with contextlib.suppress(OSError):
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                here = socket.gethostname() + f.read().strip()
+    hosts = [None] * tp_size
+    dist.all_gather_object(hosts, here, group=group)
+    if here is None or len(set(hosts)) != 1:
+        return None
+    name = f"tokenmill-allreduce-{hashlib.sha1(init_method.encode()).hexdigest()[:16]}-{pp_rank}"
+    ar, error = None, None
+    if tp_rank == 0:
+        try:
+            ar = shm.ShmAllReduce(name, tp_rank, tp_size, timeout_s, create=True)
+        except OSError as e:
+            error = e
+    if agree(tp_rank != 0 or ar is not None) and tp_rank != 0:  # every rank makes the same collective calls
+        try:
+            ar = shm.ShmAllReduce(name, tp_rank, tp_size, timeout_s, create=False)
+        except OSError as e:
+            error = e
+    if error is not None:
+        logger.warning("shared-memory all-reduce unavailable (%s); using gloo", error)
+    ok = agree(ar is not None)
+    if tp_rank == 0 and ar is not None:
+        ar.unlink()  # every rank has mapped it (or given up): the name is not needed any more
+    if not ok:
+        if ar is not None:
+            ar.close()
+        return None
+    return ar
 
 
 @contextlib.contextmanager
@@ -90,6 +142,8 @@ def whole_pipeline():
 
 def destroy_distributed() -> None:
     global _STATE
+    if _STATE.shm is not None:
+        _STATE.shm.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     _STATE = ParallelState()
@@ -101,7 +155,10 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if s.tp_size == 1:
         return x
     t0 = time.perf_counter()
-    dist.all_reduce(x, group=s.tp_group)
+    if s.shm is not None and s.shm.fits(x):
+        s.shm.all_reduce(x)
+    else:
+        dist.all_reduce(x, group=s.tp_group)
     s.stats.calls += 1
     s.stats.bytes += x.numel() * x.element_size()
     s.stats.seconds += time.perf_counter() - t0

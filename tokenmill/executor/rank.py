@@ -29,10 +29,12 @@ class RankWorker:
                                           p.collective_timeout)
         self.rank, self.is_output = rank, rank == p.world_size - 1
         self.worker = Worker(config, source, model_config, progress=progress, num_threads=num_threads)
-        logger.info("rank %d (tensor %d/%d, stage %d/%d): %d thread(s), %d of %d attention heads, KV %d heads",
+        logger.info("rank %d (tensor %d/%d, stage %d/%d): %d thread(s), %d of %d attention heads, KV %d heads%s",
                     rank, st.tp_rank, st.tp_size, st.pp_rank, st.pp_size, num_threads,
                     self.worker.model.kv_caches()[0].num_heads if self.worker.model.kv_caches() else 0,
-                    model_config.num_attention_heads, self.worker.local_kv_heads)
+                    model_config.num_attention_heads, self.worker.local_kv_heads,
+                    "" if st.tp_size == 1 else
+                    f", all-reduce {'in shared memory (gloo over 4 MiB)' if st.shm is not None else 'by gloo'}")
         self._decode = msgspec.msgpack.Decoder(StepMessage).decode
         self._encode = msgspec.msgpack.Encoder().encode
 
