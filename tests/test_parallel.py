@@ -121,9 +121,38 @@ def test_tp2_ngram_speculation_greedy_identical_to_tp1():
         assert a == b, f"request {i}"
 
 
-def test_speculation_with_pipeline_stages_is_a_config_error():
-    with pytest.raises(ConfigError, match="pipeline parallelism"):
-        EngineConfig.from_kwargs(pipeline_parallel_size=2, speculative_config=NGRAM)
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_pp2_speculation_greedy_identical_to_pp1(draft, tiny_llama_dir, tiny_qwen2_dir):
+    """Speculative decoding over two stages: both run the drafts through their layers, the last one
+    verifies and drafts (the draft model whole there), the first gets the kept tokens with the next
+    step. The tiny Llama drafting for itself keeps nearly every draft; a random Qwen2 with the same
+    vocabulary has nearly all rejected. Greedy tokens as one process without speculation, with chunked
+    prefill and preemption."""
+    model = str(tiny_llama_dir)
+    prompts = _prompts(48)
+    drafter = model if draft == "itself" else str(tiny_qwen2_dir)
+    ref, _ = _run(model, 1, _kv_bytes(3, 2, 64), prompts)
+    # the draft's K/V (3 layers, 2 KV heads, like the target's) share the target's blocks
+    llm = LLM(model, progress=False, pipeline_parallel_size=2, kv_cache_memory=2 * _kv_bytes(3, 2, 64, blocks=28),
+              speculative_config=f'{{"model": "{drafter}", "num_speculative_tokens": 3, "adaptive": false}}',
+              **STRESS)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        core = llm.engine.core
+        stats = core.stats().spec_decoding
+        assert stats is not None and stats.num_draft_tokens >= len(prompts)
+        if draft == "itself":
+            assert stats.acceptance_rate > 0.8
+        else:
+            assert stats.acceptance_rate < 0.2
+        assert core.scheduler.num_preemptions > 0
+        assert core.kv.pool.num_free_blocks == core.kv.num_blocks
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a == b, f"request {i}"
 
 
 @pytest.mark.slow
@@ -155,10 +184,12 @@ def test_tp2_gguf_packed_blocks_split_whole(smol_path):
     assert diff < 0.05, diff
 
 
-def test_killed_rank_is_a_clean_error(tiny_llama_dir):
+def test_killed_rank_is_a_clean_error(tiny_llama_dir, caplog):
+    caplog.set_level("INFO", logger="tokenmill.executor")
     llm = LLM(str(tiny_llama_dir), dtype="float32", tensor_parallel_size=2, kv_cache_memory="16MiB",
               max_model_len=256, collective_timeout=20, progress=False)
     try:
+        assert any("shared as" in r.getMessage() and "per rank" in r.getMessage() for r in caplog.records)
         assert llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         procs = llm.engine.core.executor.procs
         os.kill(procs[1].pid, signal.SIGKILL)

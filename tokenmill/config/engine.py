@@ -234,10 +234,6 @@ class EngineConfig:
         if self.cache.kv_cache_dtype in ("int8", "fp8_e4m3") and self.kernel.attention_backend == "torch_sdpa":
             raise ConfigError(f"kv_cache_dtype={self.cache.kv_cache_dtype} is read by the cpu_paged attention "
                               f"backend's kernels; the torch_sdpa backend cannot read it", param="kv_cache_dtype")
-        if self.speculative.enabled and self.parallel.pipeline_parallel_size > 1:
-            # earlier stages do not verify drafts, and a draft model's layers would be split into stages
-            raise ConfigError("speculative decoding with pipeline parallelism is not supported yet; use "
-                              "--tensor-parallel-size, or no --speculative-config", param="speculative_config")
 
     def groups(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

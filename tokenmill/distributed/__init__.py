@@ -7,12 +7,19 @@ the layers are the same code with and without parallelism. Collectives time out 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -32,6 +39,7 @@ class ParallelState:
     pp_size: int = 1
     tp_group: object = None
     stats: CommStats = field(default_factory=CommStats)
+    shm: object = None  # ShmAllReduce when the stage's tensor ranks share this machine
 
     @property
     def rank(self) -> int:
@@ -70,11 +78,72 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str, ti
               for s in range(pp_size)]
     pp_rank, tp_rank = divmod(rank, tp_size)
     _STATE = ParallelState(tp_rank, tp_size, pp_rank, pp_size, groups[pp_rank])
+    if tp_size > 1 and backend == "gloo":
+        _STATE.shm = _shared_memory_all_reduce(init_method, groups[pp_rank], tp_rank, tp_size, pp_rank, timeout_s)
     return _STATE
+
+
+def _shared_memory_all_reduce(init_method: str, group, tp_rank: int, tp_size: int, pp_rank: int,
+                              timeout_s: float):
+    """A shm.ShmAllReduce for this stage's tensor ranks when every one of them maps the same segment
+    (same machine, same /dev/shm), else None (gloo). Every rank takes the same decision."""
+    from tokenmill.distributed import shm
+
+    def agree(ok: bool) -> bool:
+        flags = [None] * tp_size
+        dist.all_gather_object(flags, ok, group=group)
+        return all(flags)
+
+    here = None
+    if shm.supported():
+        with contextlib.suppress(OSError):
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                here = socket.gethostname() + f.read().strip()
+    hosts = [None] * tp_size
+    dist.all_gather_object(hosts, here, group=group)
+    if here is None or len(set(hosts)) != 1:
+        return None
+    name = f"tokenmill-allreduce-{hashlib.sha1(init_method.encode()).hexdigest()[:16]}-{pp_rank}"
+    ar, error = None, None
+    if tp_rank == 0:
+        try:
+            ar = shm.ShmAllReduce(name, tp_rank, tp_size, timeout_s, create=True)
+        except OSError as e:
+            error = e
+    if agree(tp_rank != 0 or ar is not None) and tp_rank != 0:  # every rank makes the same collective calls
+        try:
+            ar = shm.ShmAllReduce(name, tp_rank, tp_size, timeout_s, create=False)
+        except OSError as e:
+            error = e
+    if error is not None:
+        logger.warning("shared-memory all-reduce unavailable (%s); using gloo", error)
+    ok = agree(ar is not None)
+    if tp_rank == 0 and ar is not None:
+        ar.unlink()  # every rank has mapped it (or given up): the name is not needed any more
+    if not ok:
+        if ar is not None:
+            ar.close()
+        return None
+    return ar
+
+
+@contextlib.contextmanager
+def whole_pipeline():
+    """While inside, this rank acts as the only pipeline stage (its tensor-parallel group
+    unchanged): a model built here holds every layer, e.g. the draft model of the last stage."""
+    global _STATE
+    saved = _STATE
+    _STATE = dataclasses.replace(saved, pp_rank=0, pp_size=1)
+    try:
+        yield
+    finally:
+        _STATE = saved
 
 
 def destroy_distributed() -> None:
     global _STATE
+    if _STATE.shm is not None:
+        _STATE.shm.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     _STATE = ParallelState()
@@ -86,7 +155,10 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if s.tp_size == 1:
         return x
     t0 = time.perf_counter()
-    dist.all_reduce(x, group=s.tp_group)
+    if s.shm is not None and s.shm.fits(x):
+        s.shm.all_reduce(x)
+    else:
+        dist.all_reduce(x, group=s.tp_group)
     s.stats.calls += 1
     s.stats.bytes += x.numel() * x.element_size()
     s.stats.seconds += time.perf_counter() - t0
@@ -107,15 +179,30 @@ def tp_all_gather_cols(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
 
 
-def pp_send(tensors: list[torch.Tensor], dst_stage: int) -> None:
-    for t in tensors:
-        dist.send(t.contiguous(), _STATE.stage_rank(dst_stage))
-
-
-def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, src_stage: int) -> list[torch.Tensor]:
+def pp_isend(tensors: list[torch.Tensor], dst_stage: int, tag: int = 0) -> list[tuple[object, torch.Tensor]]:
+    """Start sending `tensors` (tags tag, tag + 1, ...) to the same tensor rank of stage `dst_stage`;
+    returns the pending sends, each with the tensor it must keep alive until `wait_all`."""
+    dst = _STATE.stage_rank(dst_stage)
     out = []
-    for shape in shapes:
-        t = torch.empty(shape, dtype=dtype)
-        dist.recv(t, _STATE.stage_rank(src_stage))
-        out.append(t)
+    for i, t in enumerate(tensors):
+        t = t.contiguous()
+        out.append((dist.isend(t, dst, tag=tag + i), t))
     return out
+
+
+def pp_irecv(shapes: list[tuple[int, ...]], dtype: torch.dtype, src_stage: int, tag: int = 0,
+             device: torch.device | None = None) -> list[tuple[object, torch.Tensor]]:
+    """Post receives for tensors sent by `pp_isend(..., tag)` from stage `src_stage`."""
+    src = _STATE.stage_rank(src_stage)
+    out = []
+    for i, shape in enumerate(shapes):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        out.append((dist.irecv(t, src, tag=tag + i), t))
+    return out
+
+
+def wait_all(pending: list[tuple[object, torch.Tensor]]) -> list[torch.Tensor]:
+    """Wait for sends or receives (each fails after the collective timeout); their tensors."""
+    for work, _ in pending:
+        work.wait()
+    return [t for _, t in pending]

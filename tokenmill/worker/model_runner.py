@@ -9,6 +9,8 @@ proposer drafts the next step's tokens.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 import mmap
 import time
@@ -25,6 +27,8 @@ from tokenmill.worker.request_state import GrammarSource, RequestState, RequestS
 from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
 from tokenmill.worker.spec_decode import Proposer, speculates
 from tokenmill.worker.spec_decode.rejection_sampler import RejectionSampler
+
+logger = logging.getLogger(__name__)
 
 _PROMPT_LOGITS_CHUNK = 256  # rows of full-vocab logits materialized at once for prompt logprobs
 
@@ -117,26 +121,35 @@ class ModelRunner:
 
     def _forward(self, batch: list[tuple[RequestState, int, list[int]]]) -> torch.Tensor | None:
         """The model over the batch. With pipeline stages, the batch runs as micro-batches (as many
-        as stages): a stage passes one on and starts the next while the following stage works."""
+        as stages): a stage posts the receives of all of them at once, sends each on without waiting
+        (isend) and starts the next while the following stage works; it waits for its sends at the end."""
         st = distributed.state()
         if st.pp_size == 1:
             input_ids, positions, layout = self.prepare_inputs(batch)
             return self.model(input_ids, positions, self.backend.build_metadata(layout))
-        n = len(batch)
-        bounds = [split_evenly(n, min(st.pp_size, n), i) for i in range(min(st.pp_size, n))]
-        hidden, width = [], self.model.config.hidden_size
-        for start, size in bounds:
+        parts = min(st.pp_size, len(batch))
+        bounds = [split_evenly(len(batch), parts, i) for i in range(parts)]
+        width, dtype = self.model.config.hidden_size, self.model.dtype
+        recvs = [] if st.is_first_stage else [  # (hidden, residual) per micro-batch, tags 2k and 2k + 1
+            distributed.pp_irecv([(sum(n for _, n, _ in batch[a:a + size]), width)] * 2, dtype, st.pp_rank - 1,
+                                 tag=2 * k, device=self.device) for k, (a, size) in enumerate(bounds)]
+        hidden, sends, marks = [], [], []
+        for k, (start, size) in enumerate(bounds):
             input_ids, positions, layout = self.prepare_inputs(batch[start:start + size])
             meta = self.backend.build_metadata(layout)
-            inter = None
-            if not st.is_first_stage:
-                rows = input_ids.shape[0]
-                inter = tuple(distributed.pp_recv([(rows, width)] * 2, self.model.dtype, st.pp_rank - 1))
+            t0 = time.perf_counter()
+            inter = tuple(distributed.wait_all(recvs[k])) if recvs else None
+            t1 = time.perf_counter()
             out = self.model(input_ids, positions, meta, inter)
             if st.is_last_stage:
                 hidden.append(out)
             else:
-                distributed.pp_send(list(out), st.pp_rank + 1)
+                sends.extend(distributed.pp_isend(list(out), st.pp_rank + 1, tag=2 * k))
+            marks.append((t0, t1, time.perf_counter()))
+        distributed.wait_all(sends)
+        if logger.isEnabledFor(logging.DEBUG):  # benchmarks/pp_overlap.py reads these
+            logger.debug("pipeline trace %s", json.dumps(dict(stage=st.pp_rank, end=time.perf_counter(),
+                                                               micro_batches=marks)))
         return torch.cat(hidden) if hidden else None
 
     def _verify(self, rows, ends: list[int], hidden: torch.Tensor, out: ModelRunnerOutput) -> None:

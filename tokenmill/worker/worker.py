@@ -123,8 +123,8 @@ class Worker:
 
     def _build_proposer(self, progress: bool):
         spec = self.config.speculative
-        if not spec.enabled:
-            return None
+        if not spec.enabled or not distributed.state().is_last_stage:
+            return None  # earlier pipeline stages run the drafts through their layers; the last verifies
         if spec.method == "ngram":
             from tokenmill.worker.spec_decode.ngram import NgramProposer
 
@@ -148,8 +148,9 @@ class Worker:
                               param="speculative_config")
         t0 = time.monotonic()
         quant_config = self._draft_quant_config(spec, source)
-        model = build_model(source, cfg, self.backend, self.max_model_len, self.dtype, self.device, progress=progress,
-                            quant_config=quant_config)
+        with distributed.whole_pipeline():  # the last stage drafts with every layer of the draft model
+            model = build_model(source, cfg, self.backend, self.max_model_len, self.dtype, self.device,
+                                progress=progress, quant_config=quant_config)
         if self.fused_ops:
             model.use_cpu_kernels()
         if self.config.kernel.batch_invariant:
