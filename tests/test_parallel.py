@@ -69,9 +69,19 @@ def _run(model, tp, kv_bytes, prompts, **kw):
         assert core.kv.pool.num_free_blocks == core.kv.num_blocks  # nothing leaked
         return [o.outputs[0].token_ids for o in outs], core.scheduler.num_preemptions
     finally:
-        llm.engine.shutdown()
-        del llm
-        gc.collect()
+        _close(llm)
+
+
+def _close(llm) -> None:
+    """Stop the engine and its ranks (the caller's reference to `llm` goes when it returns)."""
+    llm.engine.shutdown()
+    gc.collect()
+
+
+def _assert_same(ref: list, got: list) -> None:
+    assert len(ref) == len(got)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a == b, f"request {i}"
 
 
 def _kv_bytes(layers, kv_heads, head_dim, blocks=40):
@@ -86,8 +96,7 @@ def test_tp2_greedy_identical_to_tp1_tiny(which, tiny_llama_dir, tiny_qwen2_mqa_
     ref, pre1 = _run(str(model), 1, _kv_bytes(3, kv_heads, 64), prompts)
     got, pre2 = _run(str(model), 2, _kv_bytes(3, 2, 64), prompts)
     assert pre1 > 0 and pre2 > 0
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert a == b, f"request {i}"
+    _assert_same(ref, got)
 
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
@@ -115,11 +124,8 @@ def test_tp2_ngram_speculation_greedy_identical_to_tp1():
         assert spec is not None and spec.num_accepted_tokens > 0
         assert core.kv.pool.num_free_blocks == core.kv.num_blocks
     finally:
-        llm.engine.shutdown()
-        del llm
-        gc.collect()
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert a == b, f"request {i}"
+        _close(llm)
+    _assert_same(ref, got)
 
 
 @pytest.mark.parametrize("draft", ["itself", "another"])
@@ -149,11 +155,8 @@ def test_pp2_speculation_greedy_identical_to_pp1(draft, tiny_llama_dir, tiny_qwe
         assert core.scheduler.num_preemptions > 0
         assert core.kv.pool.num_free_blocks == core.kv.num_blocks
     finally:
-        llm.engine.shutdown()
-        del llm
-        gc.collect()
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert a == b, f"request {i}"
+        _close(llm)
+    _assert_same(ref, got)
 
 
 @pytest.mark.slow
@@ -163,8 +166,7 @@ def test_tp2_greedy_identical_to_tp1_smollm2():
     ref, pre1 = _run(None, 1, _kv_bytes(30, 3, 64, blocks=60), prompts)
     got, pre2 = _run(None, 2, _kv_bytes(30, 3, 64, blocks=60), prompts)
     assert pre1 > 0 and pre2 > 0
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert a == b, f"request {i}"
+    _assert_same(ref, got)
 
 
 def test_tp2_gguf_packed_blocks_split_whole(smol_path):
@@ -214,8 +216,7 @@ def test_pp2_greedy_identical_to_pp1_tiny(which, tiny_llama_dir, tiny_qwen2_mqa_
     ref, pre1 = _run(str(model), 1, _kv_bytes(3, kv_heads, 64), prompts)
     got, pre2 = _run(str(model), 1, _kv_bytes(3, kv_heads, 64), prompts, pipeline_parallel_size=2)
     assert pre1 > 0 and pre2 > 0
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert a == b, f"request {i}"
+    _assert_same(ref, got)
 
 
 @pytest.mark.slow
@@ -230,11 +231,8 @@ def test_tp2_with_the_core_in_its_own_process_identical_to_tp1(tiny_llama_dir):
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert llm.engine.scheduler_stats().num_preemptions > 0
     finally:
-        llm.engine.shutdown()
-        del llm
-        gc.collect()
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert a == b, f"request {i}"
+        _close(llm)
+    _assert_same(ref, got)
 
 
 @pytest.mark.slow
@@ -247,8 +245,7 @@ def test_tp2_greedy_identical_to_tp1_qwen_coder_05b():
     ref, pre1 = _run("qwen2.5-coder-0.5b", 1, kv, prompts)
     got, pre2 = _run("qwen2.5-coder-0.5b", 2, kv, prompts)
     assert pre1 > 0 and pre2 > 0
-    for i, (a, b) in enumerate(zip(ref, got)):
-        assert a == b, f"request {i}"
+    _assert_same(ref, got)
 
 
 @pytest.mark.slow
