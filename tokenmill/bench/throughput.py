@@ -55,7 +55,10 @@ def main(args) -> int:
     llm = LLM(**cfg.to_kwargs())
     requests = load_workload(llm.get_tokenizer(), args)
     if args.warmup:
-        run_throughput(llm, requests[: min(len(requests), 4)], use_tqdm=False, temperature=args.temperature)
+        # prompts of its own: measured prompts found in the prefix cache would skip their prefill
+        warmup = synthetic(llm.get_tokenizer(), 4, args.input_len, min(args.output_len, 16),
+                           seed=args.workload_seed + 10_000)
+        run_throughput(llm, warmup, use_tqdm=False, temperature=args.temperature)
     result = run_throughput(llm, requests, temperature=args.temperature)
     result["config"] = {"model": llm.engine.served_model_name, "dtype": str(llm.engine.config.model.torch_dtype),
                         "max_num_seqs": cfg.scheduler.max_num_seqs,

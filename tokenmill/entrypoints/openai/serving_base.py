@@ -104,6 +104,17 @@ class ServingBase:
         return self._merge(streams)
 
     async def _merge(self, streams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        deadline = None if self.config.request_timeout is None else time.monotonic() + self.config.request_timeout
+        if len(streams) == 1:  # the common case: no pump task and no second queue per token
+            try:
+                while True:
+                    try:
+                        out = await self._within(deadline, anext(streams[0]))
+                    except StopAsyncIteration:
+                        return
+                    yield 0, out
+            finally:
+                streams[0].close()
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, stream):
@@ -116,16 +127,10 @@ class ServingBase:
                 queue.put_nowait((i, None))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-        deadline = None if self.config.request_timeout is None else time.monotonic() + self.config.request_timeout
         running = len(tasks)
         try:
             while running:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    i, item = await asyncio.wait_for(queue.get(), timeout)
-                except TimeoutError:
-                    raise RequestTimeoutError(
-                        f"request exceeded the {self.config.request_timeout:g}s request timeout") from None
+                i, item = await self._within(deadline, queue.get())
                 if item is None:
                     running -= 1
                 elif isinstance(item, BaseException):
@@ -137,6 +142,18 @@ class ServingBase:
                 t.cancel()
             for s in streams:
                 s.close()
+
+    async def _within(self, deadline: float | None, awaitable):
+        """`await awaitable` before the request's deadline. A timeout scoped to this one await
+        (asyncio.wait_for would wrap each token's wait in a new task)."""
+        if deadline is None:
+            return await awaitable
+        try:
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + deadline - time.monotonic()):
+                return await awaitable
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"request exceeded the {self.config.request_timeout:g}s request timeout") from None
 
     @staticmethod
     def sse(payload: dict) -> bytes:
