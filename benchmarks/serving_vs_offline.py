@@ -1,9 +1,10 @@
 """Serving at concurrency 64 against offline throughput on the same workload (issue 9).
 
 One workload: 64 requests, 128 prompt tokens, 128 output tokens (EOS ignored), temperature 1.
-Three arms, alternated for --rounds rounds: `tokenmill bench throughput` (the offline LLM), and
-`tokenmill serve` + `tokenmill bench serve --concurrency 64` (client on the same machine) with the
-engine core in its own process (the default) and in the server's process (--no-engine-core-process).
+Arms, alternated for --rounds rounds: `tokenmill bench throughput` (the offline LLM), and
+`tokenmill serve` + `tokenmill bench serve --concurrency 64` (client on the same machine) with its
+defaults (engine core in its own process, every token streamed) and with each --stream-interval
+given (tokens gathered per streamed chunk).
 
     cpu-lock bench .venv/bin/python benchmarks/serving_vs_offline.py
 """
@@ -42,14 +43,16 @@ def serving(out: Path, extra: list[str]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--stream-intervals", type=int, nargs="*", default=[4])
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args()
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="serving-vs-offline-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"load before: {os.getloadavg()[0]:.2f}; raw results in {out_dir}", flush=True)
     arms = {"offline LLM": lambda o: offline(o),
-            "serve, core in its own process": lambda o: serving(o, []),
-            "serve, core in the server process": lambda o: serving(o, ["--no-engine-core-process"])}
+            "serve, defaults": lambda o: serving(o, [])}
+    for n in args.stream_intervals:
+        arms[f"serve --stream-interval {n}"] = lambda o, n=n: serving(o, ["--stream-interval", str(n)])
     results: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(args.rounds):
         for i, (name, run) in enumerate(arms.items()):

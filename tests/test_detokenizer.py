@@ -61,3 +61,34 @@ def test_engine_stream_deltas_concatenate_to_final_text(smol_bf16):
     assert joined == smol_bf16.get_tokenizer().decode(tokens, skip_special_tokens=True)
     # a broken character can only appear where the model itself produced invalid UTF-8
     assert joined.count("\ufffd") == smol_bf16.get_tokenizer().decode(tokens).count("\ufffd")
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_stream_interval_gathers_tokens_and_loses_none(smol_bf16, n):
+    """--stream-interval 4: the first token at once, then chunks of 4 tokens (one per step here),
+    the rest with the end; the same tokens and text as streaming every token."""
+    engine = smol_bf16.engine
+
+    def stream(interval):
+        engine.output_processor.stream_interval = interval
+        try:
+            engine.add_request(f"si{interval}-{n}", "Write a short poem about the sea.",
+                               SamplingParams(temperature=0.8, seed=3, max_tokens=23, n=n, stop=["zq!"],
+                                              ignore_eos=True, output_kind=RequestOutputKind.DELTA))
+            chunks: dict[int, list] = {i: [] for i in range(n)}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    for o in out.outputs:
+                        chunks[o.index].append((o.text, list(o.token_ids), o.finish_reason))
+            return chunks
+        finally:
+            engine.output_processor.stream_interval = 1
+
+    every, gathered = stream(1), stream(4)
+    for i in range(n):
+        assert [len(c[1]) for c in every[i]] == [1] * 23
+        sizes = [len(c[1]) for c in gathered[i]]
+        assert sizes[0] == 1 and all(s == 4 for s in sizes[1:-1]) and sizes[-1] <= 4, sizes
+        assert sum(sizes) == 23 and gathered[i][-1][2] == "length"
+        assert "".join(c[0] for c in gathered[i]) == "".join(c[0] for c in every[i])
+        assert sum((c[1] for c in gathered[i]), []) == sum((c[1] for c in every[i]), [])

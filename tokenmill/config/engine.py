@@ -117,9 +117,12 @@ class SchedulerConfig:
                                 "effective priority by one level (lower its number by 1), so a request of priority p "
                                 "is overtaken only by requests of priority q that arrive within (p - q) x this "
                                 "after it. 0: strict priorities (a request can starve).", 10.0)
+    stream_interval: int = opt("Tokens a streamed request gathers before the next chunk is sent (the first token "
+                               "and the last always go at once). 1 sends every token; larger values cut the front "
+                               "end's and the client's work per token, for throughput over smoothness.", 1)
 
     def validate(self) -> None:
-        check_positive(self, "max_num_batched_tokens", "max_num_seqs")
+        check_positive(self, "max_num_batched_tokens", "max_num_seqs", "stream_interval")
         check_choice(self, "scheduling_policy", ("fcfs", "priority"))
         a = self.priority_aging
         if isinstance(a, bool) or not isinstance(a, (int, float)) or not a >= 0 or a == float("inf"):

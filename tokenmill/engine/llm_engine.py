@@ -87,7 +87,7 @@ class LLMEngine:
         self.processor = InputProcessor(self.tokenizer, self.model_config.vocab_size, self.core_client.max_model_len,
                                         config.model.max_logprobs, eos, chat_template,
                                         config.scheduler.scheduling_policy == "priority")
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.scheduler.stream_interval)
         faults.install_output(self.output_processor)  # test-only switches; nothing when unset
         self._failed: dict[str, str] = {}
         self.stat_loggers: list[StatLogger] = []

@@ -37,8 +37,9 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stream_interval: int = 1):
         self.tokenizer = tokenizer  # Hugging Face tokenizer
+        self.stream_interval = stream_interval
         self.fast = tokenizer.backend_tokenizer
         self.requests: dict[str, _RequestState] = {}
         self.child_of: dict[str, tuple[_RequestState, _Child]] = {}
@@ -180,6 +181,8 @@ class OutputProcessor:
         kind = state.kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        if kind == RequestOutputKind.DELTA and not finished and self._gathering(state):
+            return None  # the new tokens stay unsent (child.changed) until the interval fills
         outputs = []
         for child in state.children.values():
             if kind == RequestOutputKind.DELTA:
@@ -203,6 +206,15 @@ class OutputProcessor:
         return RequestOutput(state.p.request_id, state.p.prompt, state.p.prompt_token_ids, outputs, finished,
                              prompt_logprobs=prompt_lp, metrics=state.metrics,
                              num_cached_tokens=state.metrics.num_cached_tokens)
+
+    def _gathering(self, state: _RequestState) -> bool:
+        """Under a stream interval: no changed sample has its first token, its end, or a full
+        interval of unsent tokens yet."""
+        if self.stream_interval == 1:
+            return False
+        return not any(c.changed and (c.sent_tokens == 0 or c.finish_reason is not None
+                                      or len(c.token_ids) - c.sent_tokens >= self.stream_interval)
+                       for c in state.children.values())
 
     @staticmethod
     def _finished_stats(state: _RequestState) -> FinishedRequestStats:
