@@ -112,3 +112,31 @@ def test_verification_rows_equal_rows_alone(dtype, head_dim, heads, kv_heads):
         ref = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), k, v, scale=0.125, enable_gqa=True)
         tol = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out[i].float(), ref.squeeze(1), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (64, 4, 1), (128, 12, 2), (64, 16, 16)])
+def test_paged_decode_attention_key_split(dtype, head_dim, heads, kv_heads):
+    """One sequence (the decode of one stream, where the keys are split over the threads) and a
+    few, at lengths around the key chunks, against SDPA; each row bit for bit what it gives in
+    another batch (the split depends on a row's length only)."""
+    torch.manual_seed(3)
+    block_size, num_blocks = 16, 160
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    lens = [1, 17, 63, 64, 65, 190, 2000]
+    max_blocks = -(-max(lens) // block_size)
+    tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens])
+    q = torch.randn(len(lens), heads, head_dim, dtype=dtype)
+    batched = torch.empty_like(q)
+    torch.ops.tokenmill.paged_decode_attention(batched, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125)
+    for i, n in enumerate(lens):
+        alone = torch.empty_like(q[i:i + 1])
+        torch.ops.tokenmill.paged_decode_attention(alone, q[i:i + 1].clone(), k_cache, v_cache, tables[i:i + 1],
+                                                   torch.tensor([n]), 0.125)
+        assert torch.equal(batched[i], alone[0]), n
+        k = k_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
+        v = v_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1).float()
+        ref = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), k, v, scale=0.125, enable_gqa=True)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(alone[0].float(), ref.squeeze(1), atol=tol, rtol=tol)

@@ -28,6 +28,7 @@ from tokenmill.utils.cpu import active_isa
 
 logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "elementwise.cpp")]
+_HEADERS = (Path(__file__).parent / "csrc" / "paged_attention_avx512.h",)
 _NAME = "tokenmill_cpu_kernels"
 _OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding")
 _lock = threading.Lock()
@@ -80,7 +81,7 @@ def _build_only() -> None:
     if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
         return
     try:
-        build_library(_NAME, _SOURCES, _cflags())
+        build_library(_NAME, _SOURCES, _cflags(), _HEADERS)
     except Exception:  # noqa: BLE001 - the process that loads the kernels says why
         pass
 
@@ -96,7 +97,7 @@ def _build_and_load() -> bool:
     if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
         return _unavailable("TOKENMILL_DISABLE_CPU_KERNELS is set")
     try:
-        torch.ops.load_library(str(build_library(_NAME, _SOURCES, _cflags())))
+        torch.ops.load_library(str(build_library(_NAME, _SOURCES, _cflags(), _HEADERS)))
         return all(hasattr(torch.ops.tokenmill, op) for op in _OPS)
     except CompilerNotFound as e:
         return _unavailable(str(e))

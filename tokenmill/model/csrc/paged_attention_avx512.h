@@ -1,0 +1,211 @@
+// The AVX-512 bf16 path of paged decode attention (included by paged_attention.cpp), split over
+// the key range (flash-decoding): one task per (run of rows, kv head, chunk of kKeyChunk keys),
+// each leaving a partial softmax (max, sum, unnormalized sum of values) per row and query head;
+// the last task to finish a (row, kv head) combines its chunks. One sequence of a few hundred
+// tokens with 3 kv heads thus keeps every thread busy, where one task per kv head left one of two
+// threads idle half the time.
+// A row's chunks depend on its length only, and each chunk's arithmetic on that row only (the
+// rows of a run share K/V loads, not sums), so a row's result does not depend on the batch, on
+// the run it is part of (a speculative verification), or on the thread count.
+#pragma once
+
+#include <immintrin.h>
+
+#include <atomic>
+#include <memory>
+
+namespace tm_paged {
+
+constexpr int64_t kKeyChunk = 64;
+
+inline int64_t key_chunks(int64_t L) { return (L + kKeyChunk - 1) / kKeyChunk; }
+
+// Blocks of a sequence are scattered in the pool, so the hardware prefetcher stalls at every
+// block boundary; fetch the next block's rows of this head while computing on the current one.
+inline void prefetch_block(const at::BFloat16* first_row, int64_t rows, int64_t row_stride, int64_t row_bytes) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < row_bytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(first_row + r * row_stride) + b, _MM_HINT_T0);
+}
+
+inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// Runs of rows [start, end) that share a block table with lengths rising by one (a verification),
+// cut so that there are at least `min_tasks` (run, kv head) tasks where rows allow.
+std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* tables, const int64_t* lens, int64_t B,
+                                                  int64_t max_blocks, int64_t BS, int64_t Hkv, int64_t min_tasks) {
+  constexpr int64_t kMaxRun = 16;
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t b = 0; b < B;) {
+    int64_t e = b + 1;
+    while (e < B && e - b < kMaxRun && lens[e] == lens[e - 1] + 1 &&
+           std::equal(tables + e * max_blocks, tables + e * max_blocks + (lens[e] + BS - 1) / BS, tables + b * max_blocks))
+      ++e;
+    runs.emplace_back(b, e);
+    b = e;
+  }
+  for (bool cut = true; cut && static_cast<int64_t>(runs.size()) * Hkv < min_tasks;) {
+    cut = false;
+    std::vector<std::pair<int64_t, int64_t>> halves;
+    for (auto [a, e] : runs) {
+      if (e - a > 1) {
+        halves.emplace_back(a, (a + e + 1) / 2);
+        halves.emplace_back((a + e + 1) / 2, e);
+        cut = true;
+      } else {
+        halves.emplace_back(a, e);
+      }
+    }
+    runs.swap(halves);
+  }
+  return runs;
+}
+
+// Softmax numerators of n scores in place; returns their sum, their max in m.
+inline float softmax_partial(float* s, int64_t n, float& m) {
+  m = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+  fVec vsum(0.f);
+  int64_t t = 0;
+  for (; t + kVec <= n; t += kVec) {
+    fVec e = (fVec::loadu(s + t) - fVec(m)).exp_u20();
+    e.store(s + t);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& c) { return a + c; }, vsum);
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
+// One partial: [m, l, acc[D]] per (row, query head, chunk of the row).
+struct Partials {
+  std::vector<float> buf;
+  std::vector<int64_t> first;  // row -> index of its first chunk
+  int64_t H, stride;
+  float* at(int64_t b, int64_t hq, int64_t c) { return buf.data() + ((first[b] + c) * H + hq) * stride; }
+};
+
+// Rows [b0, b0 + R) of one run (lengths L0, L0 + 1, ...), kv head h, keys [t0, t0 + kKeyChunk):
+// the partials of every row whose keys reach t0.
+template <int NV>
+void chunk_partials(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
+                    const int64_t* table, const int64_t* seq_lens, int64_t b0, int64_t R, int64_t h, int64_t H,
+                    int64_t G, int64_t row, int64_t BS, int64_t t0, float scale, Partials& part,
+                    std::vector<float>& scores, std::vector<__m512>& qbuf, std::vector<__m512>& abuf) {
+  constexpr int64_t D = 16 * NV, C = kKeyChunk;
+  const int64_t L0 = seq_lens[b0], Lmax = seq_lens[b0 + R - 1];
+  const int64_t t1 = std::min(t0 + C, Lmax);
+  const int64_t r0 = std::max<int64_t>(0, t0 - L0 + 1);  // rows before r0 end before t0
+  qbuf.resize(R * G * NV);
+  abuf.assign(R * G * NV, _mm512_setzero_ps());
+  scores.resize(R * G * C);
+  for (int64_t r = r0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g)
+      for (int j = 0; j < NV; ++j)
+        qbuf[(r * G + g) * NV + j] =
+            _mm512_mul_ps(bf16x16_to_f32(q + ((b0 + r) * H + h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
+  const int64_t nblocks = (Lmax + BS - 1) / BS;
+  auto prefetch_next = [&](const at::BFloat16* cache, int64_t t) {
+    if ((t % BS == 0 || t == t0) && t / BS + 1 < nblocks)
+      prefetch_block(cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * 2);
+  };
+  for (int64_t t = t0; t < t1; ++t) {
+    prefetch_next(k_cache, t);
+    const at::BFloat16* k = token_row(k_cache, table, t, BS, row, h, D);
+    __m512 kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = bf16x16_to_f32(k + 16 * j);
+    for (int64_t r = std::max(r0, t - L0 + 1); r < R; ++r)  // rows whose keys reach t
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512* qv = &qbuf[(r * G + g) * NV];
+        __m512 acc = _mm512_mul_ps(qv[0], kv[0]);
+        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[j], kv[j], acc);
+        scores[(r * G + g) * C + t - t0] = _mm512_reduce_add_ps(acc);
+      }
+  }
+  for (int64_t r = r0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float* p = part.at(b0 + r, h * G + g, t0 / C);
+      p[1] = softmax_partial(&scores[(r * G + g) * C], std::min(t1, L0 + r) - t0, p[0]);
+    }
+  for (int64_t t = t0; t < t1; ++t) {
+    prefetch_next(v_cache, t);
+    const at::BFloat16* v = token_row(v_cache, table, t, BS, row, h, D);
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = bf16x16_to_f32(v + 16 * j);
+    for (int64_t r = std::max(r0, t - L0 + 1); r < R; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[(r * G + g) * C + t - t0]);
+        __m512* acc = &abuf[(r * G + g) * NV];
+        for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(p, vv[j], acc[j]);
+      }
+  }
+  for (int64_t r = r0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float* p = part.at(b0 + r, h * G + g, t0 / C) + 2;
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(p + 16 * j, abuf[(r * G + g) * NV + j]);
+    }
+}
+
+// out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c over the row's chunks, in chunk order
+template <int NV>
+void combine_partials(at::BFloat16* o, Partials& part, int64_t b, int64_t hq, int64_t chunks) {
+  constexpr int64_t D = 16 * NV;
+  float M = -INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) M = std::max(M, part.at(b, hq, c)[0]);
+  __m512 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
+  float l = 0.f;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const float* p = part.at(b, hq, c);
+    const float w = std::exp(p[0] - M);
+    l += w * p[1];
+    for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(p + 2 + 16 * j), acc[j]);
+  }
+  alignas(64) float tmp[D];
+  for (int j = 0; j < NV; ++j) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(acc[j], _mm512_set1_ps(1.f / l)));
+  for (int64_t d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(tmp[d]);
+}
+
+// bf16 fast path for head_dim = 16 * NV (64 -> 4, 128 -> 8).
+template <int NV>
+void decode_attention_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k_cache,
+                           const at::BFloat16* v_cache, const int64_t* block_tables, const int64_t* seq_lens,
+                           int64_t B, int64_t H, int64_t Hkv, int64_t BS, int64_t max_blocks, float scale) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t G = H / Hkv;
+  const int64_t row = Hkv * D;
+  const auto runs = row_runs(block_tables, seq_lens, B, max_blocks, BS, Hkv, 2 * at::get_num_threads());
+  Partials part{{}, std::vector<int64_t>(B + 1, 0), H, D + 2};
+  for (int64_t b = 0; b < B; ++b) part.first[b + 1] = part.first[b] + key_chunks(seq_lens[b]);
+  part.buf.resize(part.first[B] * H * part.stride);
+  std::vector<int64_t> task_start{0};  // tasks of run i: (kv head, chunk) of its longest row
+  for (auto [b, e] : runs) task_start.push_back(task_start.back() + Hkv * key_chunks(seq_lens[e - 1]));
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[B * Hkv]);
+  for (int64_t i = 0; i < B * Hkv; ++i) done[i].store(0, std::memory_order_relaxed);
+  at::parallel_for(0, task_start.back(), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<__m512> qbuf, abuf;
+    size_t ri = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
+    for (int64_t task = begin; task < end; ++task) {
+      while (task >= task_start[ri + 1]) ++ri;
+      const auto [b, b_end] = runs[ri];
+      const int64_t local = task - task_start[ri], chunks = key_chunks(seq_lens[b_end - 1]);
+      const int64_t h = local / chunks, t0 = local % chunks * kKeyChunk;
+      chunk_partials<NV>(q, k_cache, v_cache, block_tables + b * max_blocks, seq_lens, b, b_end - b, h, H, G, row, BS,
+                         t0, scale, part, scores, qbuf, abuf);
+      for (int64_t r = std::max<int64_t>(b, b + t0 - seq_lens[b] + 1); r < b_end; ++r) {
+        const int64_t n = key_chunks(seq_lens[r]);
+        if (done[r * Hkv + h].fetch_add(1, std::memory_order_acq_rel) + 1 == n)  // the row's last chunk: combine
+          for (int64_t g = 0; g < G; ++g)
+            combine_partials<NV>(out + (r * H + h * G + g) * D, part, r, h * G + g, n);
+      }
+    }
+  });
+}
+
+}  // namespace tm_paged
