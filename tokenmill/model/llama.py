@@ -14,6 +14,7 @@ from tokenmill import distributed
 from tokenmill.distributed.partition import attention_heads, layer_stages, split_evenly
 from tokenmill.errors import ConfigError
 from tokenmill.model.attention import AttentionBackend, AttentionMetadata
+from tokenmill.model.fused_decode import FusedDecode
 from tokenmill.model.layers.activation import silu_and_mul
 from tokenmill.model.layers.embedding import LMHead, VocabEmbedding
 from tokenmill.model.layers.linear import Linear, MergedLinear, QKVLinear, default_weight_loader
@@ -121,6 +122,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device) if self.is_last else None
         self.rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling, device)
         self.fused = False
+        self.fused_decode: FusedDecode | None = None
 
     def forward(self, input_ids, positions, meta, intermediate=None):
         """`intermediate`: (hidden, residual) from the previous stage. Returns the final hidden
@@ -128,12 +130,23 @@ class LlamaModel(nn.Module):
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         # the fused kernel reads the fp32 tables by position; the portable path gets per-token rows
         rope = (self.rotary.cos, self.rotary.sin, positions) if self.fused else self.rotary.lookup(positions, x.dtype)
-        for i in self.stage_layers:
-            x, residual = self.layers[i](x, residual, rope, meta)
+        fused = self._fused_decode() if self.fused else None
+        if fused is not None and fused.applies(x, meta):
+            x, residual = fused(x, residual, rope, meta)
+        else:
+            for i in self.stage_layers:
+                x, residual = self.layers[i](x, residual, rope, meta)
         if not self.is_last:
             return x, residual
         x, _ = self.norm(x, residual)
         return x
+
+    def _fused_decode(self) -> FusedDecode:
+        """Decode-only steps in one C++ call (fused_decode.py), set up at first use."""
+        if self.fused_decode is None or self.fused_decode.stale():
+            layers = [self.layers[i] for i in self.stage_layers]
+            self.fused_decode = FusedDecode(layers, layers[0].self_attn.backend if layers else None)
+        return self.fused_decode
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,124 @@
+// Decoder layers of a decode-only step in one call (Llama / Qwen2 with packed quantized weights):
+// per layer rms_norm (+ residual) -> qkv qlinear -> rotary -> K/V write -> paged attention ->
+// o_proj qlinear -> rms_norm (+ residual) -> gate_up qlinear -> SiLU * up -> down qlinear.
+// One stream's token on a small model spends as much in Python as in these kernels (a dozen ops
+// per layer, each with its views and allocations); here each layer is the same kernels, called
+// from C++ in the same order on the same buffers, so the result is bit for bit that of the
+// Python layers (llama.py). The packed GEMV lives in the per-ISA quantized library: it is called
+// through the dispatcher by its qualified name.
+// Compiled into the kernels library as one unit with paged_attention.cpp and elementwise.cpp.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+#include <cstring>
+#include <string>
+
+namespace tm_layers {
+
+using QLinearFn = void(at::Tensor, const at::Tensor&, std::vector<at::Tensor>, at::IntArrayRef, at::IntArrayRef,
+                       const std::optional<at::Tensor>&, int64_t, int64_t);
+
+// One packed linear layer: shards and their formats, read from the flat per-layer lists.
+struct Packed {
+  std::vector<at::Tensor> w;
+  std::vector<int64_t> qtypes, rows;
+  int64_t out = 0, dense_min_rows = 0;
+};
+
+// ints per layer: has_bias, then per linear (qkv, o, gate_up, down): dense_min_rows, n, then n
+// (qtype, rows); tensors per layer: in_norm, post_norm, k_cache, v_cache, [qkv bias], shards in order.
+struct LayerReader {
+  const std::vector<at::Tensor>& t;
+  at::IntArrayRef ints;
+  size_t ti = 0, ii = 0;
+  Packed linear() {
+    Packed p;
+    p.dense_min_rows = ints[ii++];
+    const int64_t n = ints[ii++];
+    for (int64_t s = 0; s < n; ++s) {
+      p.w.push_back(t[ti++]);
+      p.qtypes.push_back(ints[ii++]);
+      p.rows.push_back(ints[ii++]);
+      p.out += p.rows.back();
+    }
+    return p;
+  }
+};
+
+// Returns the last layer's MLP output; residual is updated in place (pass zeros before the first
+// layer: x + 0 is x, so the first norm sees x itself, as in llama.py).
+at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tensor& positions, const at::Tensor& cos,
+                         const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                         const at::Tensor& seq_lens, std::vector<at::Tensor> tensors, at::IntArrayRef ints,
+                         int64_t num_layers, int64_t H, int64_t Hkv, int64_t D, double eps, double scale,
+                         int64_t act_bits, std::string qlinear_op) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && residual.is_contiguous() &&
+                  residual.sizes() == hidden.sizes() && residual.scalar_type() == hidden.scalar_type(),
+              "decode_layers: hidden and residual must be contiguous [T, hidden] of one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == hidden.size(0),
+              "decode_layers: one int64 slot per token");
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(qlinear_op.c_str(), "").typed<QLinearFn>();
+  auto qlinear = [&](const Packed& p, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+    at::Tensor y = at::empty({x.size(0), p.out}, x.options());
+    op.call(y, x, p.w, p.qtypes, p.rows, bias, p.dense_min_rows, act_bits);
+    return y;
+  };
+  const int64_t T_ = hidden.size(0), q_size = H * D, kv_size = Hkv * D, es = hidden.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  LayerReader rd{tensors, ints};
+  at::Tensor x = hidden;
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    const at::Tensor &in_norm = tensors[rd.ti], &post_norm = tensors[rd.ti + 1];
+    const at::Tensor &k_cache = tensors[rd.ti + 2], &v_cache = tensors[rd.ti + 3];
+    rd.ti += 4;
+    std::optional<at::Tensor> qkv_bias;
+    if (rd.ints[rd.ii++]) qkv_bias = tensors[rd.ti++];
+    const Packed qkv_p = rd.linear(), o_p = rd.linear(), gu_p = rd.linear(), down_p = rd.linear();
+    TORCH_CHECK(qkv_p.out == q_size + 2 * kv_size && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                    k_cache.size(2) == Hkv && k_cache.size(3) == D && k_cache.scalar_type() == x.scalar_type(),
+                "decode_layers: layer ", layer, ": qkv size or KV cache layout does not match the heads");
+
+    at::Tensor normed = at::empty_like(x);
+    tm_elementwise::rms_norm(normed, x, residual, in_norm, eps);
+    at::Tensor qkv = qlinear(qkv_p, normed, qkv_bias);
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({T_, H, D});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T_, Hkv, D});
+    tm_elementwise::rotary_embedding(q, k, cos, sin, positions);
+    // this step's K/V into their slots, before attention reads them
+    const int64_t slots_total = k_cache.numel() / kv_size;
+    char* kc = static_cast<char*>(k_cache.data_ptr());
+    char* vc = static_cast<char*>(v_cache.data_ptr());
+    const char* src = static_cast<const char*>(qkv.data_ptr());
+    const int64_t row_bytes = qkv.size(1) * es, kv_bytes = kv_size * es;
+    for (int64_t t = 0; t < T_; ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "decode_layers: slot ", slots[t], " out of range");
+      std::memcpy(kc + slots[t] * kv_bytes, src + t * row_bytes + q_size * es, kv_bytes);
+      std::memcpy(vc + slots[t] * kv_bytes, src + t * row_bytes + (q_size + kv_size) * es, kv_bytes);
+    }
+    at::Tensor attn = at::empty({T_, H, D}, x.options());
+    tm_paged::paged_decode_attention(attn, q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale);
+    at::Tensor o = qlinear(o_p, attn.view({T_, q_size}), std::nullopt);
+    normed = at::empty_like(o);
+    tm_elementwise::rms_norm(normed, o, residual, post_norm, eps);
+    at::Tensor gate_up = qlinear(gu_p, normed, std::nullopt);
+    at::Tensor act = at::empty({T_, gu_p.out / 2}, x.options());
+    tm_elementwise::silu_and_mul(act, gate_up);
+    x = qlinear(down_p, act, std::nullopt);
+  }
+  TORCH_CHECK(rd.ti == tensors.size() && rd.ii == ints.size(), "decode_layers: layer lists longer than the layers");
+  return x;
+}
+
+}  // namespace tm_layers
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("decode_layers(Tensor hidden, Tensor(a!) residual, Tensor positions, Tensor cos, Tensor sin, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor[] tensors, int[] ints, int num_layers, "
+        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int act_bits, str qlinear_op) "
+        "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("decode_layers", &tm_layers::decode_layers);
+}

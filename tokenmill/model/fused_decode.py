@@ -1,0 +1,85 @@
+"""A decode-only step through every decoder layer in one C++ call (csrc/decode_layers.cpp).
+
+For one stream on a small model, Python's dozen ops per layer (views, allocations, dispatch) cost
+as much as the kernels they call. When every layer's weights are packed (GGUF, int8/int4), the
+CPU kernels are in use, the KV cache is plain and the batch holds only decode rows (speculative
+verification rows included), the layers run as the same kernels called from C++ in the same order:
+the result is bit for bit that of the Python layers. Anything else takes the Python layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill import distributed
+from tokenmill.model.layers.quantization.packed import PackedLinearMethod
+
+
+def _packed(linear) -> bool:
+    m = linear.method
+    return (isinstance(m, PackedLinearMethod) and type(m).apply is PackedLinearMethod.apply
+            and linear.row_tile is None and linear.q_views is not None)
+
+
+class FusedDecode:
+    """Built lazily by the model (after loading and KV-cache binding); `usable` says whether the
+    model qualifies at all, `applies` whether a step does."""
+
+    def __init__(self, layers: list, backend) -> None:
+        from tokenmill.model.attention.cpu_paged import CPUPagedBackend
+
+        self.layers = layers
+        self.usable = False
+        self.kv_caches: list = []
+        linears = [lin for ly in layers for lin in (ly.self_attn.qkv_proj, ly.self_attn.o_proj,
+                                                  ly.mlp.gate_up_proj, ly.mlp.down_proj)]
+        if not (layers and isinstance(backend, CPUPagedBackend) and distributed.state().tp_size == 1
+                and hasattr(torch.ops.tokenmill, "decode_layers") and all(map(_packed, linears))
+                and all(isinstance(ly.self_attn.kv_cache, torch.Tensor) for ly in layers)
+                and all(lin.bias is None for ly in layers for lin in (ly.self_attn.o_proj, ly.mlp.gate_up_proj,
+                                                                     ly.mlp.down_proj))):
+            return
+        methods = [lin.method for lin in linears]
+        if len({m.act_bits for m in methods}) != 1 or len({m.ops.name for m in methods}) != 1:
+            return
+        self.act_bits, self.qlinear_op = methods[0].act_bits, f"{methods[0].ops.name}::qlinear"
+        attn = layers[0].self_attn
+        self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.eps, self.scale = layers[0].input_layernorm.eps, attn.scale
+        self.tensors: list[torch.Tensor] = []
+        self.ints: list[int] = []
+        for ly in layers:
+            a = ly.self_attn
+            self.tensors += [ly.input_layernorm.weight.data, ly.post_attention_layernorm.weight.data,
+                             a.kv_cache[0], a.kv_cache[1]]
+            self.ints.append(int(a.qkv_proj.bias is not None))
+            if a.qkv_proj.bias is not None:
+                self.tensors.append(a.qkv_proj.bias.data)
+            for lin in (a.qkv_proj, a.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj):
+                self.ints += [lin.method.dense_min_rows, len(lin.q_views)]
+                for view, qt, rows in zip(lin.q_views, lin.method.qtypes, lin.q_rows):
+                    self.tensors.append(view)
+                    self.ints += [qt, rows]
+        self.kv_caches = [ly.self_attn.kv_cache for ly in layers]
+        self.usable = True
+
+    def stale(self) -> bool:
+        """The KV cache was reallocated since (its views are held here)."""
+        return any(ly.self_attn.kv_cache is not kv for ly, kv in zip(self.layers, self.kv_caches))
+
+    def applies(self, x: torch.Tensor, meta) -> bool:
+        from tokenmill.model.attention.cpu_paged import PagedDecodes
+
+        return (self.usable and x.dtype in (torch.bfloat16, torch.float32) and not getattr(meta, "prefills", True)
+                and isinstance(getattr(meta, "decodes", None), PagedDecodes) and meta.num_decodes == x.shape[0])
+
+    def __call__(self, x, residual, rope, meta):
+        """(hidden, residual) after the layers; residual None: before the first layer."""
+        residual = torch.zeros_like(x) if residual is None else residual
+        cos, sin, positions = rope
+        h, hkv, d = self.heads
+        x = torch.ops.tokenmill.decode_layers(x.contiguous(), residual, positions, cos, sin, meta.slot_mapping,
+                                              meta.decodes.tables, meta.decodes.seq_lens, self.tensors, self.ints,
+                                              len(self.layers), h, hkv, d, self.eps, self.scale, self.act_bits,
+                                              self.qlinear_op)
+        return x, residual
