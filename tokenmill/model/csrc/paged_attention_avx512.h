@@ -16,7 +16,8 @@
 
 namespace tm_paged {
 
-constexpr int64_t kKeyChunk = 64;
+#include <cstdlib>
+static const int64_t kKeyChunk = std::getenv("TM_KEY_CHUNK") ? std::atoll(std::getenv("TM_KEY_CHUNK")) : 64;
 
 inline int64_t key_chunks(int64_t L) { return (L + kKeyChunk - 1) / kKeyChunk; }
 
@@ -90,6 +91,51 @@ struct Partials {
   float* at(int64_t b, int64_t hq, int64_t c) { return buf.data() + ((first[b] + c) * H + hq) * stride; }
 };
 
+// chunk_partials below for one row (a plain decode) with G known: q and the sums stay in registers;
+// the same operations in the same order.
+template <int NV, int G>
+void row_chunk(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* table,
+               int64_t L, int64_t b, int64_t h, int64_t H, int64_t row, int64_t BS, int64_t t0, float scale,
+               Partials& part, float* scores) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t t1 = std::min(t0 + kKeyChunk, L), n = t1 - t0, nblocks = (L + BS - 1) / BS;
+  __m512 qv[G][NV], acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) {
+      qv[g][j] = _mm512_mul_ps(bf16x16_to_f32(q + (b * H + h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
+      acc[g][j] = _mm512_setzero_ps();
+    }
+  for (int64_t t = t0; t < t1; ++t) {
+    if ((t % BS == 0 || t == t0) && t / BS + 1 < nblocks)
+      prefetch_block(k_cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * 2);
+    const at::BFloat16* k = token_row(k_cache, table, t, BS, row, h, D);
+    __m512 kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = bf16x16_to_f32(k + 16 * j);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kv[j], a);
+      scores[g * n + t - t0] = _mm512_reduce_add_ps(a);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* p = part.at(b, h * G + g, t0 / kKeyChunk);
+    p[1] = softmax_partial(scores + g * n, n, p[0]);
+  }
+  for (int64_t t = t0; t < t1; ++t) {
+    if ((t % BS == 0 || t == t0) && t / BS + 1 < nblocks)
+      prefetch_block(v_cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * 2);
+    const at::BFloat16* v = token_row(v_cache, table, t, BS, row, h, D);
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = bf16x16_to_f32(v + 16 * j);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(scores[g * n + t - t0]);
+      for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(pg, vv[j], acc[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(part.at(b, h * G + g, t0 / kKeyChunk) + 2 + 16 * j, acc[g][j]);
+}
+
 // Rows [b0, b0 + R) of one run (lengths L0, L0 + 1, ...), kv head h, keys [t0, t0 + kKeyChunk):
 // the partials of every row whose keys reach t0.
 template <int NV>
@@ -97,9 +143,10 @@ void chunk_partials(const at::BFloat16* q, const at::BFloat16* k_cache, const at
                     const int64_t* table, const int64_t* seq_lens, int64_t b0, int64_t R, int64_t h, int64_t H,
                     int64_t G, int64_t row, int64_t BS, int64_t t0, float scale, Partials& part,
                     std::vector<float>& scores, std::vector<__m512>& qbuf, std::vector<__m512>& abuf) {
-  constexpr int64_t D = 16 * NV, C = kKeyChunk;
+  constexpr int64_t D = 16 * NV;
   const int64_t L0 = seq_lens[b0], Lmax = seq_lens[b0 + R - 1];
-  const int64_t t1 = std::min(t0 + C, Lmax);
+  const int64_t C = std::min(kKeyChunk, Lmax);
+  const int64_t t1 = std::min(t0 + kKeyChunk, Lmax);
   const int64_t r0 = std::max<int64_t>(0, t0 - L0 + 1);  // rows before r0 end before t0
   qbuf.resize(R * G * NV);
   abuf.assign(R * G * NV, _mm512_setzero_ps());
@@ -129,7 +176,7 @@ void chunk_partials(const at::BFloat16* q, const at::BFloat16* k_cache, const at
   }
   for (int64_t r = r0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g) {
-      float* p = part.at(b0 + r, h * G + g, t0 / C);
+      float* p = part.at(b0 + r, h * G + g, t0 / kKeyChunk);
       p[1] = softmax_partial(&scores[(r * G + g) * C], std::min(t1, L0 + r) - t0, p[0]);
     }
   for (int64_t t = t0; t < t1; ++t) {
@@ -146,7 +193,7 @@ void chunk_partials(const at::BFloat16* q, const at::BFloat16* k_cache, const at
   }
   for (int64_t r = r0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g) {
-      float* p = part.at(b0 + r, h * G + g, t0 / C) + 2;
+      float* p = part.at(b0 + r, h * G + g, t0 / kKeyChunk) + 2;
       for (int j = 0; j < NV; ++j) _mm512_storeu_ps(p + 16 * j, abuf[(r * G + g) * NV + j]);
     }
 }
@@ -196,8 +243,27 @@ void decode_attention_bf16(at::BFloat16* out, const at::BFloat16* q, const at::B
       const auto [b, b_end] = runs[ri];
       const int64_t local = task - task_start[ri], chunks = key_chunks(seq_lens[b_end - 1]);
       const int64_t h = local / chunks, t0 = local % chunks * kKeyChunk;
-      chunk_partials<NV>(q, k_cache, v_cache, block_tables + b * max_blocks, seq_lens, b, b_end - b, h, H, G, row, BS,
-                         t0, scale, part, scores, qbuf, abuf);
+      const int64_t* table = block_tables + b * max_blocks;
+      if (b_end - b == 1 && G <= 8) {
+        scores.resize(G * kKeyChunk);
+        auto one = [&](auto g_tag) {
+          row_chunk<NV, decltype(g_tag)::value>(q, k_cache, v_cache, table, seq_lens[b], b, h, H, row, BS, t0, scale,
+                                                part, scores.data());
+        };
+        switch (G) {
+          case 1: one(std::integral_constant<int, 1>{}); break;
+          case 2: one(std::integral_constant<int, 2>{}); break;
+          case 3: one(std::integral_constant<int, 3>{}); break;
+          case 4: one(std::integral_constant<int, 4>{}); break;
+          case 5: one(std::integral_constant<int, 5>{}); break;
+          case 6: one(std::integral_constant<int, 6>{}); break;
+          case 7: one(std::integral_constant<int, 7>{}); break;
+          default: one(std::integral_constant<int, 8>{}); break;
+        }
+      } else {
+        chunk_partials<NV>(q, k_cache, v_cache, table, seq_lens, b, b_end - b, h, H, G, row, BS, t0, scale, part,
+                           scores, qbuf, abuf);
+      }
       for (int64_t r = std::max<int64_t>(b, b + t0 - seq_lens[b] + 1); r < b_end; ++r) {
         const int64_t n = key_chunks(seq_lens[r]);
         if (done[r * Hkv + h].fetch_add(1, std::memory_order_acq_rel) + 1 == n)  // the row's last chunk: combine
