@@ -16,8 +16,7 @@
 
 namespace tm_paged {
 
-#include <cstdlib>
-static const int64_t kKeyChunk = std::getenv("TM_KEY_CHUNK") ? std::atoll(std::getenv("TM_KEY_CHUNK")) : 64;
+constexpr int64_t kKeyChunk = 64;
 
 inline int64_t key_chunks(int64_t L) { return (L + kKeyChunk - 1) / kKeyChunk; }
 
