@@ -30,7 +30,7 @@ class FusedDecode:
 
         self.layers = layers
         self.usable = False
-        self.kv_caches: list = []
+        self.kv_caches = [ly.self_attn.kv_cache for ly in layers]  # rebuilt when they are rebound
         linears = [lin for ly in layers for lin in (ly.self_attn.qkv_proj, ly.self_attn.o_proj,
                                                   ly.mlp.gate_up_proj, ly.mlp.down_proj)]
         if not (layers and isinstance(backend, CPUPagedBackend) and distributed.state().tp_size == 1
@@ -60,7 +60,6 @@ class FusedDecode:
                 for view, qt, rows in zip(lin.q_views, lin.method.qtypes, lin.q_rows):
                     self.tensors.append(view)
                     self.ints += [qt, rows]
-        self.kv_caches = [ly.self_attn.kv_cache for ly in layers]
         self.usable = True
 
     def stale(self) -> bool:

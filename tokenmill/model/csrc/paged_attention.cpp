@@ -4,8 +4,8 @@
 // The generic path below: one task per (sequence, kv head) on torch's intra-op thread pool. The
 // AVX-512 bf16 path (paged_attention_avx512.h) also splits each sequence's keys into chunks.
 // A speculative verification (1 + k tokens of one sequence) arrives as consecutive rows over the
-// same block table with lengths L, L + 1, ...: the bf16 path runs such a run of rows as one task
-// that loads each K/V row once for all of them. Each row's arithmetic (its dot products, softmax
+// same block table with lengths L, L + 1, ...: the bf16 path runs such a run of rows in the same
+// tasks, which load each K/V row once for all of them. Each row's arithmetic (its dot products, softmax
 // and sums, in the same order) is that of a row alone, so the result does not depend on grouping.
 // Built at first use by tokenmill/model/kernels.py; the caller is attention/cpu_paged.py.
 #include <ATen/core/Tensor.h>
@@ -39,23 +39,29 @@ inline void load_floats(const T* src, float* dst, int64_t n) {
   }
 }
 
-// Turn one head's scores into softmax numerators in place (vectorized exp); returns 1 / their sum.
-inline float softmax_numerators(float* s, int64_t L) {
-  float m = -INFINITY;
-  for (int64_t t = 0; t < L; ++t) m = std::max(m, s[t]);
+// Softmax numerators of n scores in place (vectorized exp); returns their sum, their max in m.
+inline float softmax_partial(float* s, int64_t n, float& m) {
+  m = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
   fVec vsum(0.f);
   int64_t t = 0;
-  for (; t + kVec <= L; t += kVec) {
+  for (; t + kVec <= n; t += kVec) {
     fVec e = (fVec::loadu(s + t) - fVec(m)).exp_u20();
     e.store(s + t);
     vsum = vsum + e;
   }
   float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& c) { return a + c; }, vsum);
-  for (; t < L; ++t) {
+  for (; t < n; ++t) {
     s[t] = std::exp(s[t] - m);
     sum += s[t];
   }
-  return 1.f / sum;
+  return sum;
+}
+
+// One head's scores into softmax numerators in place; returns 1 / their sum.
+inline float softmax_numerators(float* s, int64_t L) {
+  float m;
+  return 1.f / softmax_partial(s, L, m);
 }
 
 // Token t of a sequence, head h: where its D values start in a [num_blocks, BS, Hkv, D] cache.

@@ -63,25 +63,6 @@ std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* tables, const i
   return runs;
 }
 
-// Softmax numerators of n scores in place; returns their sum, their max in m.
-inline float softmax_partial(float* s, int64_t n, float& m) {
-  m = -INFINITY;
-  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-  fVec vsum(0.f);
-  int64_t t = 0;
-  for (; t + kVec <= n; t += kVec) {
-    fVec e = (fVec::loadu(s + t) - fVec(m)).exp_u20();
-    e.store(s + t);
-    vsum = vsum + e;
-  }
-  float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& c) { return a + c; }, vsum);
-  for (; t < n; ++t) {
-    s[t] = std::exp(s[t] - m);
-    sum += s[t];
-  }
-  return sum;
-}
-
 // One partial: [m, l, acc[D]] per (row, query head, chunk of the row).
 struct Partials {
   std::vector<float> buf;
