@@ -282,10 +282,13 @@ def test_metrics_after_traffic(server, client):
 
 def test_health_answers_under_load(server):
     """Health must not wait behind the model: it answers while 8 long streams run."""
-    body = {"prompt": "Tell a long story.", "max_tokens": 200, "ignore_eos": True}
+    body = {"prompt": "Tell a long story.", "max_tokens": 100, "ignore_eos": True}
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(post, server, "/v1/completions", body) for _ in range(8)]
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while server.metrics().get("tokenmill:num_requests_running", 0) < 8 and time.monotonic() < deadline:
+            time.sleep(0.05)
         statuses = [httpx.get(server.url + "/health", timeout=5).status_code for _ in range(5)]
+        assert not all(f.done() for f in futures), "the streams ended before health was asked: no load"
         assert all(f.result().status_code == 200 for f in futures)
     assert statuses == [200] * 5

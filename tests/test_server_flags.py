@@ -37,7 +37,9 @@ def test_api_key():
 def test_queue_full_is_429_with_retry_after():
     srv = ServerProcess("--max-num-seqs", "1", "--max-queue-len", "2").wait_ready()
     try:
-        body = {"prompt": "Tell a long story.", "max_tokens": 300, "ignore_eos": True}
+        # 8 requests arrive within milliseconds; 100 tokens (over a second per request) keep the first
+        # three in the engine until all 8 have arrived
+        body = {"prompt": "Tell a long story.", "max_tokens": 100, "ignore_eos": True}
         with ThreadPoolExecutor(8) as pool:
             results = list(pool.map(lambda _: post(srv, "/v1/completions", body), range(8)))
         codes = sorted(r.status_code for r in results)
