@@ -2,11 +2,13 @@
 # `tokenmill bench serve` against llama.cpp's llama-server, then against `tokenmill serve`, with the same
 # client flags, one server at a time (each uses both cores). llama-server comes from
 # /work/shared/tools/build-llama-cpp.sh or any llama.cpp build: LLAMA_SERVER=path/to/llama-server.
-# usage: benchmarks/bench_serve_llama_cpp.sh [extra bench serve flags]   (results in bench-results/)
+# usage: [MODEL=name-or-.gguf] benchmarks/bench_serve_llama_cpp.sh [extra bench serve flags]
+# (results in bench-results/; MODEL defaults to the embedded SmolLM2, or e.g. qwen2.5-coder-1.5b)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LLAMA_SERVER=${LLAMA_SERVER:-$HOME/.cache/llama-cpp-bench/bin/llama-server}
-MODEL=$(.venv/bin/python -c "from tokenmill.model.loader import resolve_model; print(resolve_model(None).path)")
+MODEL=$(.venv/bin/python -c "import sys; from tokenmill.model.loader import resolve_model
+print(resolve_model(sys.argv[1] or None).path)" "${MODEL:-}")
 OUT=bench-results
 mkdir -p "$OUT"
 FLAGS=(--num-prompts 80 --concurrency 16 --input-len 128 --output-len 64 --ignore-eos --warmup 4 --local-only "$@")
@@ -24,7 +26,7 @@ wait_up http://127.0.0.1:8101
 .venv/bin/tokenmill bench serve --base-url http://127.0.0.1:8101 "${FLAGS[@]}" --output-json "$OUT/llama-server.json"
 kill $pid; wait $pid 2>/dev/null || true
 
-.venv/bin/tokenmill serve --port 8102 >"$OUT/tokenmill-serve.log" 2>&1 &
+.venv/bin/tokenmill serve --model "$MODEL" --port 8102 >"$OUT/tokenmill-serve.log" 2>&1 &
 pid=$!
 wait_up http://127.0.0.1:8102
 .venv/bin/tokenmill bench serve --base-url http://127.0.0.1:8102 "${FLAGS[@]}" --output-json "$OUT/tokenmill.json"
