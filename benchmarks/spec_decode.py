@@ -22,13 +22,17 @@ import os
 import time
 
 from code_edit_dataset import FILES, ROOT, TASK
+from code_gen_prompts import code_gen_prompts
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.throughput import _spec_delta
 
 
-def prompts(n: int, max_chars: int) -> list[str]:
-    """n different prompts: file i % 8, starting (i // 8) * 7 lines further down each round."""
+def prompts(n: int, max_chars: int, workload: str = "edit") -> list[str]:
+    """n different prompts. edit: file i % 8, starting (i // 8) * 7 lines further down each round;
+    gen: code-generation instructions (code_gen_prompts.py)."""
+    if workload == "gen":
+        return code_gen_prompts(n)
     out = []
     for i in range(n):
         lines = (ROOT / FILES[i % len(FILES)]).read_text().splitlines(keepends=True)
@@ -93,6 +97,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-chars", type=int, default=2000)
     ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--workload", choices=["edit", "gen"], default="edit",
+                    help="edit: input-grounded code edits; gen: short code-generation prompts")
     args = ap.parse_args()
 
     def spec_of(name: str) -> str | None:  # "ngram:16": k = 16 for this configuration
@@ -103,17 +109,18 @@ def main() -> None:
     print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
                       "load_before": open("/proc/loadavg").read().split()[:3], "model": args.model or "smollm2-135m",
                       "draft": args.draft, "k": args.k, "draft_k": args.draft_k or args.k,
-                      "output_len": args.output_len,
+                      "output_len": args.output_len, "workload": args.workload,
                       "threads": os.environ.get("OMP_NUM_THREADS", "all")}), flush=True)
     llms = {}
     for name in names:
         llms[name] = LLM(model=args.model, dtype=args.dtype, speculative_config=spec_of(name),
                          kv_cache_memory=args.kv_cache_memory, max_model_len=2048,
                          enable_prefix_caching=False, progress=False)
-        run(llms[name], prompts(2, args.max_chars), 8)  # warm-up
+        run(llms[name], prompts(2, args.max_chars, args.workload), 8)  # warm-up
     for c in (int(x) for x in args.concurrency.split(",")):
         parts = {name: [] for name in names}
-        batches = [[p] for p in prompts(args.streams, args.max_chars)] if c == 1 else [prompts(c, args.max_chars)]
+        batches = ([[p] for p in prompts(args.streams, args.max_chars, args.workload)] if c == 1
+                   else [prompts(c, args.max_chars, args.workload)])
         for batch in batches:
             for name in names:
                 parts[name].append(run(llms[name], batch, args.output_len))

@@ -35,3 +35,17 @@ def test_no_drafts_while_prompts_wait_or_prefill():
     assert _run(p, 1, on_rate=30, off_rate=10) > 0.9
     assert not p.speculate(1, prefill_pending=True)
     assert p.speculate(1)
+
+
+def test_exploration_backs_off_while_it_confirms_the_choice():
+    """A settled choice is re-tried ever more rarely (up to 1 in max_explore_every steps)."""
+    p = SpecPolicy(explore_every=16, max_explore_every=64)
+    _run(p, 64, on_rate=85, off_rate=100, steps=200)
+    assert _run(p, 64, on_rate=85, off_rate=100, steps=1024) <= 17 / 1024  # 1 in 16 would be 64
+
+
+def test_a_try_that_is_never_measured_lapses():
+    p = SpecPolicy(explore_every=4)
+    _run(p, 8, on_rate=10, off_rate=50, steps=20)
+    tries = sum(p.speculate(8) for _ in range(40))  # no observe: every try lapses and is made again
+    assert tries >= 4
