@@ -65,13 +65,16 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-chars", type=int, default=2000)
+    ap.add_argument("--workload", choices=["edit", "gen"], default="edit")
     args = ap.parse_args()
-    specs = spec_configs(args.k, args.draft)
     for name in args.configs.split(","):
-        llm = LLM(model=args.model, speculative_config=specs[name], kv_cache_memory="2GiB", max_model_len=4096,
+        base, _, k = name.partition(":")  # "draft-int4:8": k = 8
+        spec = spec_configs(int(k) if k else args.k, args.draft)[base]
+        llm = LLM(model=args.model, speculative_config=spec, kv_cache_memory="2GiB", max_model_len=4096,
                   enable_prefix_caching=False, progress=False)
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate(prompts(1, args.max_chars), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        llm.generate(prompts(1, args.max_chars, args.workload), SamplingParams(temperature=0, max_tokens=8),
+                     use_tqdm=False)
         t = Timers()
         core = llm.engine.core
         runner = core.worker.runner
@@ -88,7 +91,7 @@ def main() -> None:
                 t.wrap(type(draft), "compute_logits", "draft LM head", draft)
         t.wrap(type(core.executor), "execute", "executor (runner.execute)", core.executor)
         t0 = time.perf_counter()
-        out = llm.generate(prompts(1, args.max_chars), params, use_tqdm=False)[0]
+        out = llm.generate(prompts(1, args.max_chars, args.workload), params, use_tqdm=False)[0]
         total = time.perf_counter() - t0
         stats = core.stats().spec_decoding
         print(json.dumps({"config": name, "total_ms": round(total * 1e3, 1),

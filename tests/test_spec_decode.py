@@ -181,6 +181,8 @@ def test_drafts_stay_within_max_tokens():
     ('not json', "JSON"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "max_spec_factor": 0}', "max_spec_factor"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "max_spec_factor": "x"}', "max_spec_factor"),
+    ('{"model": "x", "num_speculative_tokens": 2, "draft_p_min": 1.5}', "draft_p_min"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_p_min": 0.5}', "draft_p_min"),
 ])
 def test_bad_speculative_config_is_a_clear_error(bad, match):
     from tokenmill.config import EngineConfig
@@ -195,7 +197,9 @@ def test_draft_model_greedy_identical_to_no_speculation(reference_fp32, smol_pat
     vocabulary (drafts mostly rejected), with a pool small enough to preempt."""
     prompts, ref = reference_fp32
     for draft, kv_bytes, kept in ((str(smol_path), 46080, 0.5), (str(tiny_llama_dir), 3072, 0.0)):
-        spec = f'{{"model": "{draft}", "num_speculative_tokens": 3}}'
+        # the random model's guesses are all unlikely: draft_p_min 0 keeps them, to exercise rejection
+        p_min = ', "draft_p_min": 0' if draft == str(tiny_llama_dir) else ""
+        spec = f'{{"model": "{draft}", "num_speculative_tokens": 3{p_min}}}'
         args = {**BASE, **CONFIGS["tiny-pool"], "kv_cache_memory": 45 * 16 * (46080 + kv_bytes)}
         llm = LLM(dtype="float32", quantization="none", speculative_config=spec, progress=False, **args)
         outs = _run(llm, prompts[:32])

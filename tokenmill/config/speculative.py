@@ -12,7 +12,7 @@ from tokenmill.errors import ConfigError
 
 SPEC_METHODS = ("ngram", "draft_model")
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-              "disable_by_batch_size", "adaptive", "max_spec_factor", "quantization"}
+              "disable_by_batch_size", "adaptive", "max_spec_factor", "quantization", "draft_p_min"}
 
 
 @dataclass
@@ -27,7 +27,9 @@ class SpeculativeConfig:
         "\"max_spec_factor\" (n-gram, default 1.0): draft at most this many times the match's length in tokens "
         "(up to num_speculative_tokens; null: always num_speculative_tokens); \"quantization\" (draft model): "
         "\"int4\" quantizes the draft's weights to int4 at load (a GGUF draft: its layers stored wider than 5 "
-        "bits per weight), a faster draft for slightly worse guesses. Default: off.")
+        "bits per weight), a faster draft for slightly worse guesses; \"draft_p_min\" (draft model, default 0.75, "
+        "llama.cpp's --draft-p-min): a draft stops at a token its model gives less than this probability. "
+        "Default: off.")
 
     def validate(self) -> None:
         raw = self.speculative_config
@@ -81,6 +83,12 @@ class SpeculativeConfig:
         if self.draft_quantization and method != "draft_model":
             raise ConfigError("speculative_config: quantization applies to a draft model only",
                               param="speculative_config")
+        self.draft_p_min = raw.get("draft_p_min", 0.75 if method == "draft_model" else None)
+        p = self.draft_p_min
+        if p is not None and (method != "draft_model" or isinstance(p, bool) or not isinstance(p, int | float)
+                              or not 0 <= p < 1):
+            raise ConfigError(f"speculative_config: draft_p_min is a probability in [0, 1) for a draft model, got "
+                              f"{p!r}", param="speculative_config")
         self.max_spec_factor = raw.get("max_spec_factor", 1.0)
         f = self.max_spec_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < math.inf):

@@ -108,6 +108,7 @@ class RequestStates(dict[str, RequestState]):
                 state.draft_num_computed = 0
         for r in sched.scheduled_new_reqs:
             self[r.req_id] = RequestState.new(r, device, self.grammars)
+        spec = sched.scheduled_spec_decode_tokens
         for r in sched.scheduled_cached_reqs:
             state = self[r.req_id]
             if r.resumed_from_preemption:
@@ -115,7 +116,8 @@ class RequestStates(dict[str, RequestState]):
             else:
                 state.block_ids.extend(r.new_block_ids)
             state.num_computed_tokens = r.num_computed_tokens
-            # past a rejected draft, the draft model's KV is void too
-            state.draft_num_computed = min(state.draft_num_computed, r.num_computed_tokens)
-        spec = sched.scheduled_spec_decode_tokens
+            # the draft model's KV past what this step computes is void (the scheduler moved back, or
+            # dropped drafts); the drafts verified now keep theirs: the proposer stops at the accepted ones
+            state.draft_num_computed = min(state.draft_num_computed,
+                                           r.num_computed_tokens + len(spec.get(r.req_id, ())))
         return [(self[rid], n, spec.get(rid, [])) for rid, n in sched.num_scheduled_tokens.items()]

@@ -157,15 +157,17 @@ class Worker:
             model.set_row_tile(ROW_TILE)
         self.weight_bytes += model.weight_bytes
         self.draft_config = cfg
-        logger.info("speculative decoding: draft model %s (%s, %.0f MiB of weights) drafts %d tokens; loaded in %.1fs",
-                    source.name, quant_config.describe() if quant_config else "not quantized",
-                    model.weight_bytes / 2**20, spec.num_speculative_tokens, time.monotonic() - t0)
+        logger.info("speculative decoding: draft model %s (%s, %.0f MiB of weights) drafts up to %d tokens (while it "
+                    "gives them >= %s); loaded in %.1fs", source.name,
+                    quant_config.describe() if quant_config else "not quantized", model.weight_bytes / 2**20,
+                    spec.num_speculative_tokens, spec.draft_p_min or 0, time.monotonic() - t0)
         return DraftModelProposer(model, self.backend, self.config.cache.block_size, spec.num_speculative_tokens,
-                                  self.device, self.max_model_len)
+                                  self.device, self.max_model_len, spec.draft_p_min or 0.0)
 
     def _draft_quant_config(self, spec, source: ModelSource):
         """The target's quantization, or int4 at load with the draft's "quantization": "int4" (a GGUF
-        draft: requantize.py)."""
+        draft: requantize.py). An int4 draft also takes 8-bit activations (as llama.cpp does): half the
+        packed kernels' integer work per pass; its guesses only have to be likely (the target verifies)."""
         q = self.config.quant
         if spec.draft_quantization != "int4":
             return make_quant_config(self.quantization, source, q.quant_group_size, q.quant_dense_min_rows,
@@ -175,10 +177,9 @@ class Worker:
             from tokenmill.model.loader import gguf_loader
 
             resolve_quantization("gguf", source.kind, self.device)  # a clear error where the kernels are missing
-            return RequantizedGGUFConfig(gguf_loader.tensor_types(source.path), q.quant_dense_min_rows,
-                                         q.quant_act_bits)
+            return RequantizedGGUFConfig(gguf_loader.tensor_types(source.path), q.quant_dense_min_rows, 8)
         return make_quant_config(resolve_quantization("int4", source.kind, self.device), source, q.quant_group_size,
-                                 q.quant_dense_min_rows, q.quant_act_bits)
+                                 q.quant_dense_min_rows, 8)
 
     def prepare_grammar(self, spec: GrammarSpec) -> Future:
         """Compiles a structured-output grammar for this model's vocabulary on a background thread

@@ -5,15 +5,19 @@ holds both models' K/V, and the start-up capacity log counts both). Per request 
 how far the draft's KV goes (`draft_num_computed`; it moves back with rejections and is lost with
 preemption). A proposal first feeds the draft every token it has not seen (the accepted tokens,
 or the whole prompt the first time) and takes its argmax, then feeds each draft token to get the
-next: 1 + (k - 1) forward passes of the draft per step, all requests batched. The scheduler
-reserves k lookahead slots for the draft's K/V past the request's tokens; a request whose blocks
-hold fewer gets fewer drafts.
+next: 1 + (k - 1) forward passes of the draft per step, all requests batched. A request's drafts
+stop at a token the draft gives less than `p_min` (llama.cpp's --draft-p-min): an unlikely guess
+is likely rejected, and each draft costs a draft pass and a verification row (on code, 0.75 cut a
+k = 8 step's wasted work without losing accepted tokens; BENCHMARKS.md). The scheduler reserves k
+lookahead slots for the draft's K/V past the request's tokens; a request whose blocks hold fewer
+gets fewer drafts.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from tokenmill.worker.request_state import RequestState
@@ -21,8 +25,9 @@ from tokenmill.worker.request_state import RequestState
 
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, backend, block_size: int, k: int, device: torch.device,
-                 max_model_len: int):
+                 max_model_len: int, p_min: float = 0.0):
         self.model = model
+        self.p_min = p_min
         self.backend = backend
         self.block_size = block_size
         self.k = k
@@ -53,6 +58,8 @@ class DraftModelProposer:
         for step in range(max((budget[i] for i in active), default=0)):
             t0 = time.perf_counter()
             active = [i for i in active if budget[i] > step]
+            if not active:
+                break
             rows = []
             for i in active:
                 s = states[i]
@@ -65,12 +72,19 @@ class DraftModelProposer:
             order = sorted(range(len(rows)), key=lambda j: not rows[j][3])  # decodes first
             input_ids, positions, layout = flat_batch([rows[j] for j in order], self.block_size, self.device)
             hidden = self.model(input_ids, positions, self.backend.build_metadata(layout))
-            last = torch.tensor(layout.query_lens).cumsum(0) - 1
-            tokens = self.model.compute_logits(hidden[last]).argmax(dim=-1).tolist()
-            for j, tok in zip(order, tokens):
-                i = active[j]
+            if len(layout.query_lens) < len(input_ids):
+                hidden = hidden[torch.from_numpy(np.cumsum(layout.query_lens) - 1)]
+            logits = self.model.compute_logits(hidden)
+            best, tokens = logits.max(dim=-1)
+            if self.p_min > 0:  # p(argmax) = exp(max - logsumexp)
+                keep = ((best - torch.logsumexp(logits.float(), dim=-1)).exp() >= self.p_min).tolist()
+            for j, tok in enumerate(tokens.tolist()):
+                i = active[order[j]]
+                states[i].draft_num_computed = rows[order[j]][1] + len(rows[order[j]][0])
+                if self.p_min > 0 and not keep[j]:
+                    budget[i] = step  # no more drafts for this request
+                    continue
                 drafts[i].append(tok)
-                states[i].draft_num_computed = rows[j][1] + len(rows[j][0])
             if step == 0 and max(layout.query_lens) > self.k + 1:
                 self.prefill_seconds += time.perf_counter() - t0
         return drafts
