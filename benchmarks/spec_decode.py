@@ -69,11 +69,13 @@ def total(parts: list[dict]) -> dict:
 
 def spec_configs(k: int, draft: str | None, draft_k: int | None = None) -> dict[str, str | None]:
     """ngram drafts up to k tokens, as many as the match is long (the default max_spec_factor);
-    ngram-fixed always k (the factor off); draft-int4: the draft requantized to int4 at load."""
+    ngram-fixed always k (the factor off); draft-int4: the draft requantized to int4 at load (drafts
+    stop below the default draft_p_min); draft-int4-all: always k drafts (draft_p_min 0)."""
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     draft_spec = {"model": draft, "num_speculative_tokens": draft_k or k}
     return {"none": None, "ngram": json.dumps(ngram), "ngram-fixed": json.dumps({**ngram, "max_spec_factor": None}),
-            "draft": json.dumps(draft_spec), "draft-int4": json.dumps({**draft_spec, "quantization": "int4"})}
+            "draft": json.dumps(draft_spec), "draft-int4": json.dumps({**draft_spec, "quantization": "int4"}),
+            "draft-int4-all": json.dumps({**draft_spec, "quantization": "int4", "draft_p_min": 0})}
 
 
 def cpu_model() -> str:
@@ -87,7 +89,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft", default=None, help="the draft model of the draft configuration")
-    ap.add_argument("--configs", default=None, help="comma list of none, ngram, ngram-fixed, draft, draft-int4, "
+    ap.add_argument("--configs", default=None, help="comma list of none, ngram, ngram-fixed, draft, draft-int4[-all], "
                     "each with an optional :k (default: none,ngram[,draft])")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--draft-k", type=int, default=None, help="the draft model's (default: --k)")
