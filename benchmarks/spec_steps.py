@@ -44,7 +44,7 @@ def main() -> None:
         spec = out.scheduled_spec_decode_tokens
         prefill = any(n != 1 + len(spec.get(r, ())) for r, n in out.num_scheduled_tokens.items())
         kinds.append(("prefill" if prefill else "decode") + (" +verify" if spec else "")
-                     + (" +draft" if out.propose_drafts and not prefill else ""))
+                     + (" +draft" if out.propose_drafts and self.spec_policy and not prefill else ""))
         return out
 
     stats = defaultdict(lambda: [0, 0.0, 0])
