@@ -80,7 +80,7 @@ def test_graceful_shutdown_lets_the_stream_finish():
     lines: list[str] = []
 
     def stream():
-        body = {"prompt": "Describe the sea.", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        body = {"prompt": "Describe the sea.", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=120) as r:
             lines.extend(line for line in r.iter_lines() if line)
 
