@@ -42,11 +42,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16,24,32,48,64,128,512")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    # an AVX2 CPU runs the model in float32 (no fast bf16): emulate one with TOKENMILL_CPU_ISA=avx2,
+    # ONEDNN_MAX_CPU_ISA=AVX2 and --dtype float32
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     ops = quant_ops()
     rng = np.random.default_rng(0)
     print(f"{describe()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
-    print("| shape | M | packed ms | dequant+GEMM ms | dense bf16 ms | fastest quantized |")
+    print(f"| shape | M | packed ms | dequant+GEMM ms | dense {args.dtype} ms | fastest quantized |")
     print("|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
         fmt, n, k = SHAPES[name]
@@ -54,14 +58,14 @@ def main() -> None:
         w = ops.repack(torch.from_numpy(random_blocks(fmt, n, k, rng)), qt, n, k)
         dense = torch.empty(n, k)
         ops.dequantize(dense, w, qt, k)
-        packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(dense.bfloat16())
+        packed_dense = torch.ops.mkldnn._reorder_linear_weight(dense.to(dtype))
         crossover = None
         for m in map(int, args.rows.split(",")):
-            x = torch.randn(m, k).bfloat16()
-            out = torch.empty(m, n, dtype=torch.bfloat16)
+            x = torch.randn(m, k).to(dtype)
+            out = torch.empty(m, n, dtype=dtype)
             a = timeit(partial(ops.qlinear, out, x, [w], [qt], [n], None, 0, 16))
             b = timeit(partial(ops.qlinear, out, x, [w], [qt], [n], None, 1, 16))
-            c = timeit(partial(torch.ops.mkldnn._linear_pointwise, x, packed_bf16, None, "none", [], ""))
+            c = timeit(partial(torch.ops.mkldnn._linear_pointwise, x, packed_dense, None, "none", [], ""))
             if crossover is None and b < a:
                 crossover = m
             print(f"| {name} ({fmt} {n}x{k}) | {m} | {a * 1e3:.3f} | {b * 1e3:.3f} | {c * 1e3:.3f} | "

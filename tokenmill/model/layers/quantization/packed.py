@@ -27,9 +27,11 @@ from tokenmill.utils.cpu import active_isa
 # measured crossovers (rows) per ISA level: see BENCHMARKS.md, "Quantized GEMM crossover".
 # avx512_bf16 (a Xeon without AMX, 2026-11-22): the packed kernel is faster than dequant+GEMM, and
 # than oneDNN's bf16 GEMM on a dense copy, at every row count up to 2048 (the default step budget)
-# but Q6_K at 2048 (a tie), so it runs everything. scalar, avx2, avx512, amx: not re-measured since
-# the x8 layout and the 16-row AVX-512 kernel made the packed kernel faster.
-DENSE_MIN_ROWS: dict[str, int | None] = {"scalar": 1, "avx2": 16, "avx512": 16, "avx512_bf16": None, "amx": 16}
+# but Q6_K at 2048 (a tie), so it runs everything. avx512 (no VNNI; 2026-11-23, capped on the same
+# Xeon): packed wins at every row count up to 512 too. avx2 (capped, fp32, oneDNN capped to AVX2,
+# 2026-11-23): dequant+GEMM wins from 128 rows on three of four shapes (256 on the fourth).
+# scalar, amx: not re-measured since the x8 layout and the 16-row AVX-512 kernel.
+DENSE_MIN_ROWS: dict[str, int | None] = {"scalar": 1, "avx2": 128, "avx512": None, "avx512_bf16": None, "amx": 16}
 
 
 def default_dense_min_rows() -> int:
