@@ -19,6 +19,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import time
 
 from code_edit_dataset import FILES, ROOT, TASK
@@ -99,6 +100,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-chars", type=int, default=2000)
     ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat each concurrency point, alternating the "
+                    "configurations' order; each round's ratio and their median are printed")
     ap.add_argument("--workload", choices=["edit", "gen"], default="edit",
                     help="edit: input-grounded code edits; gen: short code-generation prompts")
     args = ap.parse_args()
@@ -120,18 +123,27 @@ def main() -> None:
                          enable_prefix_caching=False, progress=False)
         run(llms[name], prompts(2, args.max_chars, args.workload), 8)  # warm-up
     for c in (int(x) for x in args.concurrency.split(",")):
-        parts = {name: [] for name in names}
-        batches = ([[p] for p in prompts(args.streams, args.max_chars, args.workload)] if c == 1
-                   else [prompts(c, args.max_chars, args.workload)])
-        for batch in batches:
+        ratios: dict[str, list[float]] = {name: [] for name in names}
+        for r in range(args.rounds):
+            order = names if r % 2 == 0 else names[::-1]  # alternate who goes first
+            parts = {name: [] for name in names}
+            batches = ([[p] for p in prompts(args.streams, args.max_chars, args.workload)] if c == 1
+                       else [prompts(c, args.max_chars, args.workload)])
+            for batch in batches:
+                for name in order:
+                    parts[name].append(run(llms[name], batch, args.output_len))
+            base = total(parts["none"])["output_tokens_per_s"] if "none" in parts else None
             for name in names:
-                parts[name].append(run(llms[name], batch, args.output_len))
-        base = total(parts["none"])["output_tokens_per_s"] if "none" in parts else None
-        for name in names:
-            row = {"config": name, "concurrency": c, **total(parts[name])}
-            if base:
-                row["vs_none"] = round(row["output_tokens_per_s"] / base, 3)
-            print(json.dumps(row), flush=True)
+                row = {"config": name, "concurrency": c, "round": r, **total(parts[name])}
+                if base:
+                    row["vs_none"] = round(row["output_tokens_per_s"] / base, 3)
+                    ratios[name].append(row["vs_none"])
+                print(json.dumps(row), flush=True)
+        if args.rounds > 1:
+            for name in names:
+                if ratios[name] and name != "none":
+                    print(json.dumps({"config": name, "concurrency": c, "vs_none_rounds": ratios[name],
+                                      "vs_none_median": statistics.median(ratios[name])}), flush=True)
     print(json.dumps({"load_after": open("/proc/loadavg").read().split()[:3]}))
     del llms
     gc.collect()
