@@ -20,7 +20,10 @@ from tokenmill.worker.spec_decode import rejection_sampler
 from .test_rejection_sampler import chi2_critical
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
-PROMPT = "a b c d e a b c d e a b c d e a b c d e a b"
+# 33 tokens: two full 16-token KV blocks and one more. Every request after the first reads the two
+# blocks from the prefix cache and computes one prompt token, so a sample costs 4 token forwards
+# (not 9, as with 22 tokens): the statistics are about the sampler, not the prompt's length.
+PROMPT = "a b c d e " * 6 + "a b c"
 N = 2000
 ARGS = dict(dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=128, max_num_seqs=128,
             progress=False)
@@ -56,16 +59,21 @@ def _sample(llm, **params) -> tuple[Counter, Counter]:
 
 @pytest.fixture(scope="module")
 def runs():
+    """Both samples of both engines; the speculating engine stays, for the biased run."""
     out = {}
     for name, spec in (("plain", None), ("spec", NGRAM)):
         llm = LLM(speculative_config=spec, **ARGS)
         out[name] = {"t1": _sample(llm, temperature=1.0), "p09": _sample(llm, temperature=1.0, top_p=0.9)}
         if spec:
-            stats = llm.engine.core.stats().spec_decoding
-            assert stats.num_accepted_tokens > N  # drafts were verified and kept, a lot
+            core = llm.engine.core
+            assert core.kv.prefix_hits >= 2 * (2 * N - 2) * 16  # the prompt's two blocks came from the cache
+            assert core.stats().spec_decoding.num_accepted_tokens > N  # drafts were verified and kept, a lot
+            out["spec_llm"] = llm
         del llm
         gc.collect()
-    return out
+    yield out
+    out.clear()
+    gc.collect()
 
 
 @pytest.mark.slow
@@ -82,10 +90,7 @@ def test_a_biased_acceptance_rule_is_caught(runs, monkeypatch):
     def keep_every_draft(p, drafts, generator, q=None):
         return list(drafts) + [rejection_sampler.draw(p[len(drafts)], generator)]
 
-    monkeypatch.setattr(rejection_sampler, "verify_sampled", keep_every_draft)
-    llm = LLM(speculative_config=NGRAM, **ARGS)
-    _, fourth = _sample(llm, temperature=1.0)
-    del llm
-    gc.collect()
+    monkeypatch.setattr(rejection_sampler, "verify_sampled", keep_every_draft)  # looked up at each step
+    _, fourth = _sample(runs["spec_llm"], temperature=1.0)
     stat, df = homogeneity(runs["plain"]["t1"][1], fourth)
     assert stat > chi2_critical(df), "the test cannot tell a biased acceptance rule"
