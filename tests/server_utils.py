@@ -5,9 +5,11 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 from tokenmill.bench.server_process import ServerProcess as _ServerProcess
 from tokenmill.bench.server_process import free_port  # noqa: F401 (the tests' import of it)
+from tokenmill.model.loader.cache import cache_root
 
 SMALL = ["--kv-cache-memory", "192MiB", "--max-model-len", "2048"]
 
@@ -40,3 +42,25 @@ def serve_until_exit(*args: str, env: dict | None = None, timeout: float = 120.0
         srv.stop(signal.SIGKILL)
         raise AssertionError(f"the server did not exit within {timeout}s:\n{srv.log()}") from None
     return code, srv.log()
+
+
+def private_cache(cache: Path, *, rebuild: str | None = None, model_files: bool = False) -> Path:
+    """A private TOKENMILL_CACHE_DIR whose compiled kernels are the session's (symlinks): building
+    every library again in each private cache costs a minute and is not what such a test is about.
+    `rebuild`: the library left out (every ISA's build of it), which this cache builds itself.
+    `model_files`: share the session's converted model files too (GGUF metadata, tokenizers)."""
+    shared = cache_root()
+    cache.mkdir(parents=True, exist_ok=True)
+    (shared / "kernels").mkdir(parents=True, exist_ok=True)
+    if rebuild is None:
+        (cache / "kernels").symlink_to(shared / "kernels", target_is_directory=True)
+    else:
+        (cache / "kernels").mkdir()
+        for key in (shared / "kernels").iterdir():
+            if key.is_dir() and not (key / f"{rebuild}.so").exists():
+                (cache / "kernels" / key.name).symlink_to(key, target_is_directory=True)
+    if model_files:
+        for entry in shared.iterdir():
+            if entry.is_dir() and entry.name not in ("kernels", "profiles"):
+                (cache / entry.name).symlink_to(entry, target_is_directory=True)
+    return cache

@@ -7,30 +7,19 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tokenmill.model.loader.cache import cache_root
+from tests.server_utils import private_cache
 
 pytestmark = pytest.mark.slow
 
 ENGINE = ["--dtype", "float32", "--max-num-batched-tokens", "256", "--max-num-seqs", "16", "--max-model-len", "512"]
 
 
-def _share_kernels(cache: Path) -> None:
-    """The cache is private (profiles, machine measurements), its compiled kernels are the session's:
-    building them again in each private cache costs a minute and tests nothing here."""
-    link = cache / "kernels"
-    if not link.exists():
-        shared = cache_root() / "kernels"
-        shared.mkdir(parents=True, exist_ok=True)
-        cache.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(shared, target_is_directory=True)
-
-
 def _cli(cache, *args, check=True):
-    _share_kernels(cache)
+    if not (cache / "kernels").exists():  # profiles and machine measurements are private, kernels shared
+        private_cache(cache)
     env = {**os.environ, "TOKENMILL_CACHE_DIR": str(cache)}
     r = subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli.main", *args], capture_output=True,
                        text=True, timeout=600, env=env)

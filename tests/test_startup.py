@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from tests.server_utils import serve_until_exit
+from tests.server_utils import private_cache, serve_until_exit
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,8 @@ def test_damaged_gguf_is_one_clear_error(tmp_path, smol_path, damage):
     bad = tmp_path / "model.gguf"
     bad.write_bytes({"truncated": data[: len(data) // 2], "garbage": bytes(range(256)) * 8,
                      "header-only": data[:4096]}[damage])
-    code, log = serve_until_exit(str(bad), env={"TOKENMILL_CACHE_DIR": str(tmp_path / "cache")})
+    cache = private_cache(tmp_path / "cache")  # no kernel build competes with the failing load
+    code, log = serve_until_exit(str(bad), env={"TOKENMILL_CACHE_DIR": str(cache)})
     assert code == 1, log
     [line] = errors(log)
     assert f"failed to load the model: {bad} is not a readable GGUF file" in line and "truncated or corrupt" in line
@@ -51,7 +52,9 @@ def test_unwritable_cache_dir_is_one_clear_error(tmp_path):
 
 
 def test_missing_compiler(tmp_path):
-    env = {"TOKENMILL_CACHE_DIR": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-such-c++")}
+    # the attention kernels are not built yet; the rest (quantized GEMMs, model files) is the session's
+    cache = private_cache(tmp_path / "cache", rebuild="tokenmill_cpu_kernels", model_files=True)
+    env = {"TOKENMILL_CACHE_DIR": str(cache), "CXX": str(tmp_path / "no-such-c++")}
     code, log = serve_until_exit("--attention-backend", "cpu_paged", env=env)
     assert code == 1, log
     [line] = errors(log)
