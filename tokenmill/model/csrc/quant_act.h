@@ -236,13 +236,18 @@ bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a,
 
 // The AVX-512 kernel (quant_gemm_rows.cpp): out[m][r] = row r of the 16 rows of groups g0 (rows
 // 0-7) and g1 (8-15) . activation row m, for m < mr <= kPairRows; false when this variant has none.
+// `tile`: the mr rows as pack_tile lays them out: per chunk of 32, each row's codes (xq, then xr
+// with `fine`: tile_code_bytes), then each row's dx (/ 256 with `fine`), s, sa, sb as floats.
 // `pf`: prefetch while reading (gb: bytes per group, 0 for none; n0, n1: the groups read next, or null).
 constexpr int kPairRows = 8;
+constexpr int tile_code_bytes(bool fine) { return fine ? 64 : 32; }
+inline int64_t tile_bytes(int64_t rows, int64_t K, bool fine) { return K / 32 * rows * (tile_code_bytes(fine) + 16); }
 struct Ahead {
   int64_t gb;
   const uint8_t *n0, *n1;
 };
-bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const ActRow* a, int mr, bool fine,
+void pack_tile(const ActRow* a, int mr, int64_t K, bool fine, uint8_t* dst);
+bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile, int mr, bool fine,
               const Ahead& pf, float out[][16]);
 
 }  // namespace TM_QUANT_NS

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "quant_act.h"
@@ -81,7 +82,13 @@ std::vector<Shard> make_shards(const std::vector<at::Tensor>& weights, at::IntAr
   return shards;
 }
 
-// 16 output rows (two x8 groups) per work item, kPairRows activation rows per decoded chunk
+// Activation rows per block: a block's tiles stay in L2 (half of it) while every work item of a
+// thread runs over them. Without blocks each item streamed all M rows' codes, from L3 once they
+// outgrew L2 (Q6_K down at K = 8960: 19 KiB per row; BENCHMARKS.md, "Many rows").
+constexpr int64_t kActBlockBytes = 1 << 20;
+
+// 16 output rows (two x8 groups) per work item, kPairRows activation rows per decoded chunk; each
+// thread runs its items over one block of activation rows, then the next block.
 template <typename TO>
 void qgemm_pairs(const ActRow* rows, int64_t M, int64_t K, const std::vector<Shard>& shards, TO* out, int64_t ldo,
                  const float* bias, bool fine) {
@@ -96,31 +103,49 @@ void qgemm_pairs(const ActRow* rows, int64_t M, int64_t K, const std::vector<Sha
     g1 = 16 * pi + 8 < sh.rows ? g0 + sh.gb : g0;
     return pi;
   };
+  const int64_t block = std::max<int64_t>(kPairRows, kActBlockBytes / tile_bytes(1, K, fine) / kPairRows * kPairRows);
+  // row tiles: even tiles of at most kPairRows rows inside each block; tile t's rows lie at
+  // tile_bytes(first row) in one buffer
+  std::vector<std::pair<int64_t, int>> tiles;
+  for (int64_t b0 = 0; b0 < M; b0 += block) {
+    const int64_t mb = std::min(block, M - b0);
+    const int64_t tile = (mb + (mb + kPairRows - 1) / kPairRows - 1) / ((mb + kPairRows - 1) / kPairRows);
+    for (int64_t m0 = b0; m0 < b0 + mb; m0 += tile) tiles.emplace_back(m0, static_cast<int>(std::min(tile, b0 + mb - m0)));
+  }
+  std::vector<uint8_t> buf(tile_bytes(M, K, fine) + 64);
+  uint8_t* tbase = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) pack_tile(rows + tiles[t].first, tiles[t].second, K, fine, tbase + tile_bytes(tiles[t].first, K, fine));
+  });
   at::parallel_for(0, starts.back(), 2, [&](int64_t b, int64_t e) {
-    size_t si = 0;
-    for (int64_t item = b; item < e; ++item) {
-      const uint8_t *g0, *g1;
-      const int64_t pi = groups(item, si, g0, g1);
-      const Shard& sh = shards[si];
-      // the first row tile streams the weights from memory: prefetch ahead, into the next item
-      Ahead pf{sh.gb, nullptr, nullptr};
-      if (item + 1 < e) {
-        size_t sn = si;
-        groups(item + 1, sn, pf.n0, pf.n1);
-        if (shards[sn].gb != sh.gb) pf.n0 = pf.n1 = nullptr;
+    for (size_t t0 = 0; t0 < tiles.size();) {  // the tiles of one block
+      size_t t1 = t0 + 1;
+      while (t1 < tiles.size() && tiles[t1].first % block) ++t1;
+      size_t si = 0;
+      for (int64_t item = b; item < e; ++item) {
+        const uint8_t *g0, *g1;
+        const int64_t pi = groups(item, si, g0, g1);
+        const Shard& sh = shards[si];
+        // the first row tile streams the weights from memory: prefetch ahead, into the next item
+        Ahead pf{sh.gb, nullptr, nullptr};
+        if (item + 1 < e) {
+          size_t sn = si;
+          groups(item + 1, sn, pf.n0, pf.n1);
+          if (shards[sn].gb != sh.gb) pf.n0 = pf.n1 = nullptr;
+        }
+        const Ahead none{0, nullptr, nullptr};
+        const int nr = static_cast<int>(std::min<int64_t>(16, sh.rows - pi * 16));
+        const int64_t col = sh.first + pi * 16;
+        for (size_t t = t0; t < t1; ++t) {
+          const auto [m0, mr] = tiles[t];
+          float res[kPairRows][16];
+          pair_dot(sh.qtype, g0, g1, K, tbase + tile_bytes(m0, K, fine), mr, fine, t == t0 ? pf : none, res);
+          for (int m = 0; m < mr; ++m)
+            for (int r = 0; r < nr; ++r)
+              out[(m0 + m) * ldo + col + r] = static_cast<TO>(res[m][r] + (bias ? bias[col + r] : 0.f));
+        }
       }
-      const Ahead none{0, nullptr, nullptr};
-      const int nr = static_cast<int>(std::min<int64_t>(16, sh.rows - pi * 16));
-      const int64_t col = sh.first + pi * 16;
-      const int64_t tile = (M + (M + kPairRows - 1) / kPairRows - 1) / ((M + kPairRows - 1) / kPairRows);  // even tiles
-      for (int64_t m0 = 0; m0 < M; m0 += tile) {
-        const int mr = static_cast<int>(std::min<int64_t>(tile, M - m0));
-        float res[kPairRows][16];
-        pair_dot(sh.qtype, g0, g1, K, rows + m0, mr, fine, m0 == 0 ? pf : none, res);
-        for (int m = 0; m < mr; ++m)
-          for (int r = 0; r < nr; ++r)
-            out[(m0 + m) * ldo + col + r] = static_cast<TO>(res[m][r] + (bias ? bias[col + r] : 0.f));
-      }
+      t0 = t1;
     }
   });
 }

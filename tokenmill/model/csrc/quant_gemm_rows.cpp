@@ -1,13 +1,12 @@
-// The few-row packed kernel (decode at concurrency 2-16, speculative verification): x[M, K] . W^T
-// for 2 <= M below the dense crossover, with AVX-512.
-// The one-row kernel (quant_gemm.cpp) reads pre-broadcast 64-byte activation vectors (lanes 0-7:
-// weight group 2k, lanes 8-15: group 2k+1), 256 bytes per 32 activations: a few rows of those no
-// longer stay in L1, and each row pays a fold and 8-lane float work per chunk. Here a zmm holds
-// the same weight group of 16 output rows (two x8 groups side by side), so each vpdpbusd takes
-// its 4 activation bytes as a 32-bit broadcast from the compact int8 row (32 bytes per chunk, L1
-// resident), and the float epilogue covers 16 rows at once. Each decoded chunk serves up to
-// kPairRows activation rows. Per lane the integer dot products and the float operations are those
-// of the one-row kernel, in the same order: a row's result does not depend on the rows beside it.
+// The many-row packed kernel (decode at concurrency 2+, speculative verification, prefill):
+// x[M, K] . W^T with AVX-512.
+// A zmm holds the same weight group of 16 output rows (two x8 groups side by side), so each
+// vpdpbusd takes its 4 activation bytes as a 32-bit broadcast, and the float epilogue covers 16
+// rows at once. Each decoded chunk serves up to kPairRows activation rows, read from a tile
+// (pack_tile) that interleaves those rows chunk by chunk: one pointer walks the tile, every row's
+// codes and scales sit at a constant offset from it (embedded broadcasts, no per-row pointers to
+// reload). Per lane the integer dot products and the float operations are those of the one-row
+// kernel, in the same order: a row's result does not depend on the rows beside it.
 #include <cstring>
 
 #include "quant_act.h"
@@ -115,13 +114,11 @@ inline __m512i dp(__m512i acc, __m512i w, __m512i x) {
   }
 }
 
-// (weights 0-15, weights 16-31) . one int8 activation chunk, 16 rows
+// acc + (weights 4j..4j+15 of 16 rows in W[j..j+3]) . (the matching 16 activations of xq)
 template <bool kSigned>
-inline void dots(const __m512i W[8], const int8_t* xq, __m512i& lo, __m512i& hi) {
-  lo = dp<kSigned>(dp<kSigned>(dp<kSigned>(dp<kSigned>(_mm512_setzero_si512(), W[0], bcast4(xq)), W[1], bcast4(xq + 4)),
-                                W[2], bcast4(xq + 8)), W[3], bcast4(xq + 12));
-  hi = dp<kSigned>(dp<kSigned>(dp<kSigned>(dp<kSigned>(_mm512_setzero_si512(), W[4], bcast4(xq + 16)), W[5],
-                                           bcast4(xq + 20)), W[6], bcast4(xq + 24)), W[7], bcast4(xq + 28));
+inline __m512i dot16(__m512i acc, const __m512i* W, const int8_t* xq) {
+  for (int j = 0; j < 4; ++j) acc = dp<kSigned>(acc, W[j], bcast4(xq + 4 * j));
+  return acc;
 }
 
 // Bytes each weight stream is prefetched ahead of the chunk being read. Without it the kernel is
@@ -130,59 +127,68 @@ inline void dots(const __m512i W[8], const int8_t* xq, __m512i& lo, __m512i& hi)
 constexpr int64_t kPrefetchAhead = 1024;
 
 template <int QT, int MR, bool RES>
-void pair_dot_t(const uint8_t* g0, const uint8_t* g1, const X8Geom& g, int64_t K, const ActRow* a, const Ahead& pf,
+void pair_dot_t(const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile, const Ahead& pf,
                 float out[][16]) {
   constexpr bool kSigned = kSignedQ<QT>;
   constexpr bool kTwo = QT == Q6_K;
-  const int64_t C = K / 32;
-  const int cpb = g.qk / 32;
-  const int64_t dist = pf.gb ? std::min(kPrefetchAhead, pf.gb) : 0;
+  constexpr X8Geom g = x8_geom(QT);
+  constexpr int cpb = g.qk / 32;
+  constexpr int CB = tile_code_bytes(RES);
+  constexpr int64_t CS = MR * (CB + 16);  // tile bytes per chunk
+  const int64_t C = K / 32, nb = K / g.qk, blk = g.block_head + cpb * g.body;
+  const int64_t dist = pf.gb ? std::min(kPrefetchAhead, pf.gb) : 0, step = pf.gb / C;
   int64_t pos = dist;  // next byte offset (in each group) to prefetch
   __m512 acc[MR], aco[MR];
   for (int m = 0; m < MR; ++m) acc[m] = aco[m] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    if (dist) {  // keep both streams `dist` bytes ahead of the chunk being read, into the next item
-      for (const int64_t upto = (c + 1) * pf.gb / C + dist; pos < upto; pos += 64) {
-        if (pos < pf.gb) {
-          _mm_prefetch(reinterpret_cast<const char*>(g0 + pos), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(g1 + pos), _MM_HINT_T0);
-        } else if (pf.n0) {
-          _mm_prefetch(reinterpret_cast<const char*>(pf.n0 + pos - pf.gb), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(pf.n1 + pos - pf.gb), _MM_HINT_T0);
+  const uint8_t* tc = tile;
+  int64_t c = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* h0 = g0 + g.group_head + b * blk;
+    const uint8_t* h1 = g1 + g.group_head + b * blk;
+#pragma GCC unroll 1
+    for (int k = 0; k < cpb; ++k, ++c, tc += CS) {
+      if (dist) {  // keep both streams `dist` bytes ahead of the chunk being read, into the next item
+        for (const int64_t upto = c + 1 == C ? pf.gb + dist : (c + 1) * step + dist; pos < upto; pos += 64) {
+          if (pos < pf.gb) {
+            _mm_prefetch(reinterpret_cast<const char*>(g0 + pos), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(g1 + pos), _MM_HINT_T0);
+          } else if (pf.n0) {
+            _mm_prefetch(reinterpret_cast<const char*>(pf.n0 + pos - pf.gb), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(pf.n1 + pos - pf.gb), _MM_HINT_T0);
+          }
         }
       }
-    }
-    const int k = static_cast<int>(c % cpb);
-    const uint8_t* h0 = x8_block(g0, g, c / cpb);
-    const uint8_t* h1 = x8_block(g1, g, c / cpb);
-    __m512 da, db, oa, ob;
-    chunk_vec16<QT>(g0, h0, g1, h1, k, da, db, oa, ob);
-    if constexpr (kSigned && kVNNI) {  // dot products run on q + 128
-      oa = ob = _mm512_mul_ps(da, _mm512_set1_ps(-128.f));
-    }
-    __m512i W[8];
-    decode_zmm<kBits<QT>>(h0 + g.block_head + k * g.body, h1 + g.block_head + k * g.body, W);
-    if constexpr (kSigned && kVNNI) {
-      for (int j = 0; j < 8; ++j) W[j] = _mm512_xor_si512(W[j], _mm512_set1_epi8(-128));
-    }
-    for (int m = 0; m < MR; ++m) {
-      __m512i lo, hi;
-      dots<kSigned>(W, a[m].q + c * 32, lo, hi);
-      if constexpr (RES) {  // x = dx (xq + xr / 256): 256 xq.u + xr.u (fits int32)
-        __m512i flo, fhi;
-        dots<kSigned>(W, a[m].qr + c * 32, flo, fhi);
-        lo = _mm512_add_epi32(_mm512_slli_epi32(lo, 8), flo);
-        hi = _mm512_add_epi32(_mm512_slli_epi32(hi, 8), fhi);
+      __m512 da, db, oa, ob;
+      chunk_vec16<QT>(g0, h0, g1, h1, k, da, db, oa, ob);
+      if constexpr (kSigned && kVNNI) {  // dot products run on q + 128
+        oa = ob = _mm512_mul_ps(da, _mm512_set1_ps(-128.f));
       }
-      const __m512 dx = _mm512_set1_ps(RES ? a[m].dx[c] / 256.f : a[m].dx[c]);
-      if constexpr (kTwo) {
-        acc[m] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), dx), acc[m]);
-        acc[m] = _mm512_fmadd_ps(db, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), dx), acc[m]);
-        aco[m] = _mm512_fmadd_ps(oa, _mm512_set1_ps(a[m].sa[c]), aco[m]);
-        aco[m] = _mm512_fmadd_ps(ob, _mm512_set1_ps(a[m].sb[c]), aco[m]);
-      } else {
-        acc[m] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), dx), acc[m]);
-        aco[m] = _mm512_fmadd_ps(oa, _mm512_set1_ps(a[m].s[c]), aco[m]);
+      __m512i W[8];
+      decode_zmm<kBits<QT>>(h0 + g.block_head + k * g.body, h1 + g.block_head + k * g.body, W);
+      if constexpr (kSigned && kVNNI) {
+        for (int j = 0; j < 8; ++j) W[j] = _mm512_xor_si512(W[j], _mm512_set1_epi8(-128));
+      }
+      const float* sc = reinterpret_cast<const float*>(tc + MR * CB);  // per row: dx (/ 256), s, sa, sb
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xq = reinterpret_cast<const int8_t*>(tc + m * CB);
+        // weights 0-15 and 16-31; with residual codes, 256 xq.u + xr.u (fits int32): the xr dot
+        // products accumulate onto the shifted xq ones
+        __m512i lo = dot16<kSigned>(_mm512_setzero_si512(), W, xq);
+        __m512i hi = dot16<kSigned>(_mm512_setzero_si512(), W + 4, xq + 16);
+        if constexpr (RES) {
+          lo = dot16<kSigned>(_mm512_slli_epi32(lo, 8), W, xq + 32);
+          hi = dot16<kSigned>(_mm512_slli_epi32(hi, 8), W + 4, xq + 48);
+        }
+        const __m512 dx = _mm512_set1_ps(sc[4 * m]);
+        if constexpr (kTwo) {
+          acc[m] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), dx), acc[m]);
+          acc[m] = _mm512_fmadd_ps(db, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), dx), acc[m]);
+          aco[m] = _mm512_fmadd_ps(oa, _mm512_set1_ps(sc[4 * m + 2]), aco[m]);
+          aco[m] = _mm512_fmadd_ps(ob, _mm512_set1_ps(sc[4 * m + 3]), aco[m]);
+        } else {
+          acc[m] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), dx), acc[m]);
+          aco[m] = _mm512_fmadd_ps(oa, _mm512_set1_ps(sc[4 * m + 1]), aco[m]);
+        }
       }
     }
   }
@@ -191,23 +197,38 @@ void pair_dot_t(const uint8_t* g0, const uint8_t* g1, const X8Geom& g, int64_t K
 
 }  // namespace
 
-bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const ActRow* a, int mr, bool fine,
+void pack_tile(const ActRow* a, int mr, int64_t K, bool fine, uint8_t* dst) {
+  const int CB = tile_code_bytes(fine);
+  for (int64_t c = 0; c < K / 32; ++c) {
+    uint8_t* t = dst + c * mr * (CB + 16);
+    float* sc = reinterpret_cast<float*>(t + mr * CB);
+    for (int m = 0; m < mr; ++m) {
+      std::memcpy(t + m * CB, a[m].q + c * 32, 32);
+      if (fine) std::memcpy(t + m * CB + 32, a[m].qr + c * 32, 32);
+      sc[4 * m] = fine ? a[m].dx[c] / 256.f : a[m].dx[c];
+      sc[4 * m + 1] = a[m].s[c];
+      sc[4 * m + 2] = a[m].sa[c];
+      sc[4 * m + 3] = a[m].sb[c];
+    }
+  }
+}
+
+bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile, int mr, bool fine,
               const Ahead& pf, float out[][16]) {
-  const X8Geom g = x8_geom(qtype);
   return dispatch_qtype(qtype, [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     auto run = [&](auto res_tag) {
       constexpr bool R = decltype(res_tag)::value;
       static_assert(kPairRows <= 8, "the switch below covers 1..8 rows");
       switch (mr) {
-        case 8: pair_dot_t<QT, 8, R>(g0, g1, g, K, a, pf, out); break;
-        case 7: pair_dot_t<QT, 7, R>(g0, g1, g, K, a, pf, out); break;
-        case 6: pair_dot_t<QT, 6, R>(g0, g1, g, K, a, pf, out); break;
-        case 5: pair_dot_t<QT, 5, R>(g0, g1, g, K, a, pf, out); break;
-        case 4: pair_dot_t<QT, 4, R>(g0, g1, g, K, a, pf, out); break;
-        case 3: pair_dot_t<QT, 3, R>(g0, g1, g, K, a, pf, out); break;
-        case 2: pair_dot_t<QT, 2, R>(g0, g1, g, K, a, pf, out); break;
-        default: pair_dot_t<QT, 1, R>(g0, g1, g, K, a, pf, out); break;
+        case 8: pair_dot_t<QT, 8, R>(g0, g1, K, tile, pf, out); break;
+        case 7: pair_dot_t<QT, 7, R>(g0, g1, K, tile, pf, out); break;
+        case 6: pair_dot_t<QT, 6, R>(g0, g1, K, tile, pf, out); break;
+        case 5: pair_dot_t<QT, 5, R>(g0, g1, K, tile, pf, out); break;
+        case 4: pair_dot_t<QT, 4, R>(g0, g1, K, tile, pf, out); break;
+        case 3: pair_dot_t<QT, 3, R>(g0, g1, K, tile, pf, out); break;
+        case 2: pair_dot_t<QT, 2, R>(g0, g1, K, tile, pf, out); break;
+        default: pair_dot_t<QT, 1, R>(g0, g1, K, tile, pf, out); break;
       }
     };
     if (fine) run(std::true_type{});
@@ -217,7 +238,9 @@ bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const 
 
 #else
 
-bool pair_dot(int, const uint8_t*, const uint8_t*, int64_t, const ActRow*, int, bool, const Ahead&, float[][16]) {
+void pack_tile(const ActRow*, int, int64_t, bool, uint8_t*) {}
+
+bool pair_dot(int, const uint8_t*, const uint8_t*, int64_t, const uint8_t*, int, bool, const Ahead&, float[][16]) {
   return false;
 }
 

@@ -30,7 +30,7 @@ struct X8Geom {
   bool kquant;     // Q4_K / Q5_K head
 };
 
-inline X8Geom x8_geom(int qtype) {
+constexpr X8Geom x8_geom(int qtype) {
   switch (qtype) {
     case Q4_0: return {32, 0, 16, 128, 4, 8, false, false};
     case Q4_1: return {32, 0, 32, 128, 4, 0, false, false};
