@@ -114,11 +114,50 @@ inline __m512i dp(__m512i acc, __m512i w, __m512i x) {
   }
 }
 
-// acc + (weights 4j..4j+15 of 16 rows in W[j..j+3]) . (the matching 16 activations of xq)
-template <bool kSigned>
-inline __m512i dot16(__m512i acc, const __m512i* W, const int8_t* xq) {
-  for (int j = 0; j < 4; ++j) acc = dp<kSigned>(acc, W[j], bcast4(xq + 4 * j));
-  return acc;
+// Rows m0..m0+R-1 of a tile chunk (codes at tc, CB bytes per row; scales at sc) against the decoded
+// weights W: the integer dot products of weights 0-15 (lo) and 16-31 (hi) of each row, then the float
+// epilogue. The R rows' chains are interleaved so that 2R independent vpdpbusd are in flight (one
+// row's chains alone leave the unit waiting on their latency). With residual codes the xr products
+// accumulate onto the xq ones shifted by 8: 256 xq.u + xr.u, exact in int32.
+template <bool kSigned, bool RES, bool kTwo, int R, int CB>
+__attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const uint8_t* tc, const float* sc, __m512 da, __m512 db, __m512 oa,
+                                                      __m512 ob, __m512* acc, __m512* aco) {
+  __m512i lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+  auto pass = [&](int at) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 4; ++j) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = reinterpret_cast<const int8_t*>(tc + r * CB + at);
+        lo[r] = dp<kSigned>(lo[r], W[j], bcast4(x + 4 * j));
+        hi[r] = dp<kSigned>(hi[r], W[j + 4], bcast4(x + 16 + 4 * j));
+      }
+    }
+  };
+  pass(0);
+  if constexpr (RES) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      lo[r] = _mm512_slli_epi32(lo[r], 8);
+      hi[r] = _mm512_slli_epi32(hi[r], 8);
+    }
+    pass(32);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const __m512 dx = _mm512_set1_ps(sc[4 * r]);
+    if constexpr (kTwo) {
+      acc[r] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r]), dx), acc[r]);
+      acc[r] = _mm512_fmadd_ps(db, _mm512_mul_ps(_mm512_cvtepi32_ps(hi[r]), dx), acc[r]);
+      aco[r] = _mm512_fmadd_ps(oa, _mm512_set1_ps(sc[4 * r + 2]), aco[r]);
+      aco[r] = _mm512_fmadd_ps(ob, _mm512_set1_ps(sc[4 * r + 3]), aco[r]);
+    } else {
+      acc[r] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], hi[r])), dx), acc[r]);
+      aco[r] = _mm512_fmadd_ps(oa, _mm512_set1_ps(sc[4 * r + 1]), aco[r]);
+    }
+  }
 }
 
 // Bytes each weight stream is prefetched ahead of the chunk being read. Without it the kernel is
@@ -169,26 +208,10 @@ void pair_dot_t(const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* 
         for (int j = 0; j < 8; ++j) W[j] = _mm512_xor_si512(W[j], _mm512_set1_epi8(-128));
       }
       const float* sc = reinterpret_cast<const float*>(tc + MR * CB);  // per row: dx (/ 256), s, sa, sb
-      for (int m = 0; m < MR; ++m) {
-        const int8_t* xq = reinterpret_cast<const int8_t*>(tc + m * CB);
-        // weights 0-15 and 16-31; with residual codes, 256 xq.u + xr.u (fits int32): the xr dot
-        // products accumulate onto the shifted xq ones
-        __m512i lo = dot16<kSigned>(_mm512_setzero_si512(), W, xq);
-        __m512i hi = dot16<kSigned>(_mm512_setzero_si512(), W + 4, xq + 16);
-        if constexpr (RES) {
-          lo = dot16<kSigned>(_mm512_slli_epi32(lo, 8), W, xq + 32);
-          hi = dot16<kSigned>(_mm512_slli_epi32(hi, 8), W + 4, xq + 48);
-        }
-        const __m512 dx = _mm512_set1_ps(sc[4 * m]);
-        if constexpr (kTwo) {
-          acc[m] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), dx), acc[m]);
-          acc[m] = _mm512_fmadd_ps(db, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), dx), acc[m]);
-          aco[m] = _mm512_fmadd_ps(oa, _mm512_set1_ps(sc[4 * m + 2]), aco[m]);
-          aco[m] = _mm512_fmadd_ps(ob, _mm512_set1_ps(sc[4 * m + 3]), aco[m]);
-        } else {
-          acc[m] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi)), dx), acc[m]);
-          aco[m] = _mm512_fmadd_ps(oa, _mm512_set1_ps(sc[4 * m + 1]), aco[m]);
-        }
+      constexpr int R0 = MR < 4 ? MR : 4;  // rows 0..R0-1, then the rest
+      rows_chunk<kSigned, RES, kTwo, R0, CB>(W, tc, sc, da, db, oa, ob, acc, aco);
+      if constexpr (MR > R0) {
+        rows_chunk<kSigned, RES, kTwo, MR - R0, CB>(W, tc + R0 * CB, sc + 4 * R0, da, db, oa, ob, acc + R0, aco + R0);
       }
     }
   }
