@@ -156,3 +156,22 @@ def test_few_rows_match_one_row_at_a_time(variant, name, bits):
             out = torch.empty(m, rows)
             ops.qlinear(out, x[:m], [packed], [qt], [rows], None, 0, bits)
             assert torch.equal(out, single[:m]), f"{m} rows"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("bits", [8, 16])
+def test_many_rows_in_blocks_match_one_row_at_a_time(variant, name, bits):
+    """Prefill-sized products: at K = 8960 the AVX-512 kernel splits 97 rows into blocks that stay in
+    L2 (40, 40, 17 rows) and tiles of 8, 8, ..., 6, 6, 5; every row still gets what it gets alone."""
+    ops, qt = quant_ops(variant), FORMATS[name].id
+    rng = np.random.default_rng(12)
+    rows, k, m = 21, 8960, 97
+    packed = _packed(variant, name, random_blocks(name, rows, k, rng))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    out = torch.empty(m, rows)
+    ops.qlinear(out, x, [packed], [qt], [rows], None, 0, bits)
+    for i in (0, 7, 8, 39, 40, 63, 80, 91, 96):
+        single = torch.empty(1, rows)
+        ops.qlinear(single, x[i:i + 1], [packed], [qt], [rows], None, 0, bits)
+        assert torch.equal(out[i:i + 1], single), f"row {i}"
