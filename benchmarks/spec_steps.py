@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--workload", choices=["edit", "gen"], default="edit")
+    ap.add_argument("--timeline", action="store_true", help="also print every step: kind, rows, ms, tokens")
     args = ap.parse_args()
     llms = {}
     for name in args.configs.split(","):
@@ -43,26 +44,33 @@ def main() -> None:
         out = schedule(self)
         spec = out.scheduled_spec_decode_tokens
         prefill = any(n != 1 + len(spec.get(r, ())) for r, n in out.num_scheduled_tokens.items())
-        kinds.append(("prefill" if prefill else "decode") + (" +verify" if spec else "")
-                     + (" +draft" if out.propose_drafts and self.spec_policy and not prefill else ""))
+        kinds.append((("prefill" if prefill else "decode") + (" +verify" if spec else "")
+                      + (" +draft" if out.propose_drafts and self.spec_policy and not prefill else ""),
+                      len(out.num_scheduled_tokens)))
         return out
 
     stats = defaultdict(lambda: [0, 0.0, 0])
+    timeline: list[str] = []
 
     def traced_step(self):
         t0 = time.perf_counter()
         out = step(self)
         if kinds:
-            s = stats[kinds.pop()]
+            kind, rows = kinds.pop()
+            s = stats[kind]
             s[0] += 1
             s[1] += time.perf_counter() - t0
-            s[2] += sum(len(o.new_token_ids) for o in out.outputs)
+            tokens = sum(len(o.new_token_ids) for o in out.outputs)
+            s[2] += tokens
+            if args.timeline:
+                timeline.append(f"{kind} rows={rows} {1e3 * (time.perf_counter() - t0):.1f}ms tokens={tokens}")
         return out
 
     Scheduler.schedule, EngineCore.step = traced_schedule, traced_step
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for name, llm in llms.items():
         stats.clear()
+        timeline.clear()
         t0 = time.perf_counter()
         llm.generate(prompts(args.concurrency, 2000, args.workload), params, use_tqdm=False)
         policy = llm.engine.core.scheduler.spec_policy
@@ -71,6 +79,7 @@ def main() -> None:
                                     for k, (n, t, tok) in sorted(stats.items())},
                           "policy_tok_per_s": policy and {f"bucket {b} {'on' if on else 'off'}": round(r, 1)
                                                           for (b, on), r in sorted(policy.rate.items())}}), flush=True)
+        print("\n".join(timeline), flush=True)
 
 
 if __name__ == "__main__":

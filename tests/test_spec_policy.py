@@ -49,3 +49,21 @@ def test_a_try_that_is_never_measured_lapses():
     _run(p, 8, on_rate=10, off_rate=50, steps=20)
     tries = sum(p.speculate(8) for _ in range(40))  # no observe: every try lapses and is made again
     assert tries >= 4
+
+
+def test_a_near_tie_does_not_speculate():
+    """Within the margin speculation only makes requests uneven (a tail of small batches later)."""
+    p = SpecPolicy(explore_every=16, max_explore_every=64)
+    assert _run(p, 16, on_rate=103, off_rate=100, steps=320) <= 1 / 16 + 2 / 320
+    assert _run(SpecPolicy(), 16, on_rate=110, off_rate=100) > 0.8
+
+
+def test_a_draining_batch_starts_without_speculation_and_still_finds_it():
+    p = SpecPolicy(explore_every=16)
+    _run(p, 16, on_rate=80, off_rate=100)  # bucket of 16: speculation slower
+    assert not p.speculate(8)  # bucket of 8, unmeasured: the larger bucket's choice first
+    p.observe(8, False, 1.0, 100)
+    first = [p.speculate(8) for _ in range(16)]
+    assert not any(first[:15]) and first[15]  # speculation tried after explore_every steps
+    p.observe(8, True, 1.0, 300)
+    assert _run(p, 8, on_rate=300, off_rate=100) > 0.9

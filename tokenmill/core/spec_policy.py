@@ -3,7 +3,12 @@
 Speculation spends compute that batching already uses well at high concurrency. The rule: per
 batch-size bucket (running requests 1, 2-3, 4-7, ... powers of two), keep an exponential average
 of output tokens per second over decode-only steps with speculation and without; speculate when
-its average is higher. Unmeasured choices are tried first (speculation, then a step without it).
+its average is higher by a margin (5%): near a tie speculation is not worth it, because it
+advances some requests faster than others, and once those finish the rest decode in a smaller,
+less efficient batch, a cost that no single step's rate shows (at concurrency 16 on equal-length
+requests that tail cost ~3%). Unmeasured choices are tried first (speculation, then a step without
+it), except in a bucket entered from a larger one that measured speculation slower (a batch draining): there
+the step without it goes first and speculation is tried after `explore_every` steps.
 To follow the workload the other choice is tried now and then: after `explore_every` steps, and
 each time such a try confirms the choice (the tried one still measures slower) the wait doubles,
 up to `max_explore_every`; a try that changes the choice resets it. A settled choice so costs at
@@ -24,8 +29,10 @@ _TRY_STEPS = 4  # a try not measured within this many steps (a prefill came, the
 
 
 class SpecPolicy:
-    def __init__(self, explore_every: int = 16, alpha: float = 0.2, max_explore_every: int = 64):
+    def __init__(self, explore_every: int = 16, alpha: float = 0.2, max_explore_every: int = 64,
+                 margin: float = 0.05):
         self.explore_every = explore_every
+        self.margin = margin
         self.max_explore_every = max_explore_every
         self.alpha = alpha
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> output tokens/s
@@ -41,7 +48,11 @@ class SpecPolicy:
         on, off = self.rate.get((b, True)), self.rate.get((b, False))
         if on is None or off is None:
             return None
-        return on >= off
+        return on > off * (1 + self.margin)
+
+    def _larger_bucket_choice(self, b: int) -> bool | None:
+        measured = sorted(bb for bb, _ in self.rate if bb > b and self.best(bb) is not None)
+        return self.best(measured[0]) if measured else None
 
     def speculate(self, num_running: int, prefill_pending: bool = False) -> bool:
         if prefill_pending:
@@ -49,6 +60,11 @@ class SpecPolicy:
         b = self.bucket(num_running)
         best = self.best(b)
         if best is None:
+            if (b, True) not in self.rate and self._larger_bucket_choice(b) is False:
+                if (b, False) not in self.rate:
+                    return False  # a draining batch: without speculation first, as the larger bucket chose
+                self.wait[b] = wait = self.wait.get(b, self.explore_every) - 1
+                return wait <= 0  # then speculation, after a wait (again each step until it is measured)
             return (b, True) not in self.rate  # measure speculation first, then a step without it
         self.wait[b] = wait = self.wait.get(b, self.explore_every) - 1
         if wait > 0 or (b in self.trying and wait > -_TRY_STEPS):
