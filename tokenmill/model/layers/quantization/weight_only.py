@@ -65,7 +65,8 @@ class QuantizeAtLoadMethod(PackedLinearMethod):
         if self.qtypes[0] == FORMATS["I8_ROW"].id:
             packed = quantize_i8_row(dense)
         else:
-            packed = quantize_q4_groups(dense, FORMATS["Q4_1"].block if self.qtypes[0] == FORMATS["Q4_1"].id else 128)
+            group = FORMATS["Q4_1"].block if self.qtypes[0] == FORMATS["Q4_1"].id else 128
+            packed = quantize_q4_groups(dense, group, input_scale=getattr(layer, "quant_input_scale", None))
         layer.q_rows = [dense.shape[0]]
         layer.q_out = dense.shape[0]
         layer.q_in = dense.shape[1]
