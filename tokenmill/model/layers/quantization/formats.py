@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from tokenmill.errors import ConfigError
-from tokenmill.model.layers.quantization.int4_search import search_groups
+from tokenmill.model.layers.quantization.int4_search import fit_groups
 
 
 @dataclass(frozen=True)
@@ -70,15 +70,16 @@ def quantize_i8_row(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quantize_q4_groups(w: torch.Tensor, group: int, search: bool = True,
+def quantize_q4_groups(w: torch.Tensor, group: int, round_to_nearest: bool = False,
                        input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Asymmetric int4 per group of 32 (exactly GGUF's Q4_1) or 128 (I4_G128): fp16 scale d and
-    minimum m per group, w ~ d * q + m with q in 0..15. search: d and m minimise the weighted
-    squared error (int4_search.py); else min/max round-to-nearest."""
+    minimum m per group, w ~ d * q + m with q in 0..15: HQQ's zero-point optimisation,
+    weighted by input_scale (one per input column) if given (int4_search.py), or min/max
+    round-to-nearest."""
     n, k = w.shape
     g = w.float().view(n, k // group, group)
-    if search:
-        d, m, q = search_groups(g, input_scale)
+    if not round_to_nearest:
+        d, m, q = fit_groups(g, input_scale)
         d, m = d.half(), m.half()
     else:
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
