@@ -2,7 +2,8 @@
 int8 is symmetric per output channel, round-to-nearest; int4 is asymmetric per group of 32 (GGUF's
 Q4_1 layout) or 128 along the input, its scales and minima fitted to the weights (int4_search.py)
 and, for groups of 128, to input statistics measured on built-in text (calibration.py). Every
-decoder linear layer is quantized; the embedding and the LM head keep the model dtype (as in vLLM's default). The packed kernels are the GGUF ones."""
+decoder linear layer is quantized; the embedding and the LM head keep the model dtype (as in
+vLLM's default). The packed kernels are the GGUF ones."""
 
 from __future__ import annotations
 
