@@ -41,6 +41,8 @@ def build_model(source: ModelSource, cfg: ModelConfig, attn_backend, max_positio
     bar = tqdm(weights, total=total, desc=f"Loading {source.name}", unit=" tensors",
                disable=not progress, leave=False)
     model.load_weights(bar)  # each parameter's loader reads its rank's part and copies it to the device
+    if quant_config is not None:
+        quant_config.before_processing(model, source)
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()

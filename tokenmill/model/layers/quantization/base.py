@@ -58,6 +58,10 @@ class QuantConfig(ABC):
     def embedding_method(self, name: str) -> LinearMethod:
         return self.linear_method([name])
 
+    def before_processing(self, model: nn.Module, source) -> None:  # noqa: B027 (optional hook)
+        """Called once every tensor is loaded, before any layer processes its weights (e.g. to
+        measure activations while the weights are still dense)."""
+
     def packed_tensors(self) -> set[str]:
         """Checkpoint tensors (names with '.weight') the loader must hand over as raw blocks."""
         return set()

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tokenmill.errors import ConfigError
+from tokenmill.model.layers.quantization.int4_search import fit_groups
 
 
 @dataclass(frozen=True)
@@ -69,16 +70,23 @@ def quantize_i8_row(w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def quantize_q4_groups(w: torch.Tensor, group: int) -> torch.Tensor:
+def quantize_q4_groups(w: torch.Tensor, group: int, round_to_nearest: bool = False,
+                       input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Asymmetric int4 per group of 32 (exactly GGUF's Q4_1) or 128 (I4_G128): fp16 scale d and
-    minimum m per group, w ~ d * q + m with q in 0..15 rounded to nearest."""
+    minimum m per group, w ~ d * q + m with q in 0..15: HQQ's zero-point optimisation,
+    weighted by input_scale (one per input column) if given (int4_search.py), or min/max
+    round-to-nearest."""
     n, k = w.shape
     g = w.float().view(n, k // group, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    d = ((hi - lo) / 15.0).half()
-    m = lo.half()
-    df = d.float()
-    q = torch.where(df > 0, torch.round((g - m.float()) / df.clamp_min(1e-30)), torch.zeros(())).clamp(0, 15)
+    if not round_to_nearest:
+        d, m, q = fit_groups(g, input_scale)
+        d, m = d.half(), m.half()
+    else:
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        d = ((hi - lo) / 15.0).half()
+        m = lo.half()
+        df = d.float()
+        q = torch.where(df > 0, torch.round((g - m.float()) / df.clamp_min(1e-30)), torch.zeros(())).clamp(0, 15)
     q = q.to(torch.uint8).view(n, k // group, group // 32, 2, 16)  # chunks of 32: [lo 16 | hi 16]
     nibbles = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(n, k // group, group // 2)
     head = torch.cat([d.view(torch.uint8).view(n, k // group, 2), m.view(torch.uint8).view(n, k // group, 2)], -1)

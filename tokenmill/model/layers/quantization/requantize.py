@@ -26,7 +26,10 @@ def bits_per_weight(qtype: int) -> float:
 
 class RequantizeMethod(QuantizeAtLoadMethod):
     """Loads the GGUF rows as PackedLinearMethod does, then dequantizes every shard and quantizes
-    the layer again to one int4 format."""
+    the layer again to one int4 format (round-to-nearest: a draft's load stays fast, and its
+    output only has to be likely)."""
+
+    round_to_nearest = True
 
     def __init__(self, gguf_types: list[int], dense_min_rows: int | None, act_bits: int):
         super().__init__(FORMATS["I4_G128"].id, dense_min_rows, act_bits)

@@ -1,7 +1,9 @@
-"""`--quantization int8|int4` for Hugging Face folders: weight-only, round-to-nearest at load.
-int8 is symmetric per output channel; int4 is asymmetric per group of 32 (GGUF's Q4_1 layout) or
-128 along the input. Every decoder linear layer is quantized; the embedding and the LM head keep
-the model dtype (as in vLLM's default). The packed kernels are the GGUF ones."""
+"""`--quantization int8|int4` for Hugging Face folders: weight-only, quantized at load.
+int8 is symmetric per output channel, round-to-nearest; int4 is asymmetric per group of 32 (GGUF's
+Q4_1 layout) or 128 along the input, its scales and minima fitted to the weights (int4_search.py)
+and, for groups of 128, to input statistics measured on built-in text (calibration.py). Every
+decoder linear layer is quantized; the embedding and the LM head keep the model dtype (as in
+vLLM's default). The packed kernels are the GGUF ones."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ from torch import nn
 from tokenmill.errors import ConfigError
 from tokenmill.model.layers.linear import UnquantizedLinearMethod, shard_rows_loader
 from tokenmill.model.layers.quantization.base import LinearMethod, QuantConfig
+from tokenmill.model.layers.quantization.calibration import calibration_text, measure_input_scales
 from tokenmill.model.layers.quantization.formats import BY_ID, FORMATS, quantize_i8_row, quantize_q4_groups
 from tokenmill.model.layers.quantization.packed import PackedLinearMethod
+
+CALIBRATION_TOKENS = 512  # of built-in text, for int4's input-column importance (calibration.py)
 
 
 class WeightOnlyConfig(QuantConfig):
@@ -40,12 +45,34 @@ class WeightOnlyConfig(QuantConfig):
     def embedding_method(self, name: str) -> LinearMethod:
         return UnquantizedLinearMethod()
 
+    def before_processing(self, model, source) -> None:
+        """int4 in groups of 128: measure each layer's input columns on built-in text
+        (calibration.py) so that the zero-point fit weighs their errors (int4_search.py; groups of
+        32 measured no gain from it). Skipped with tensor or pipeline parallelism (a rank cannot run
+        the whole model alone) and when CALIBRATION_TOKENS is 0."""
+        if self.bits != 4 or self.group_size == 32 or not CALIBRATION_TOKENS:
+            return
+        from tokenmill import distributed
+
+        st = distributed.state()
+        if st.tp_size > 1 or st.pp_size > 1:
+            return
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(source.path))
+        ids = tok.encode(calibration_text(), add_special_tokens=False)[:CALIBRATION_TOKENS]
+        measure_input_scales(model, ids, lambda m: isinstance(m.method, QuantizeAtLoadMethod))
+
     def describe(self) -> str:
-        return f"int{self.bits} weight-only ({self.format.name}, round-to-nearest)"
+        if self.bits == 8:
+            return "int8 weight-only (I8_ROW, round-to-nearest)"
+        return f"int4 weight-only ({self.format.name}, error-minimising scales)"
 
 
 class QuantizeAtLoadMethod(PackedLinearMethod):
     """Loads the dense weight in fp32, then quantizes it (all shards in one format) and drops it."""
+
+    round_to_nearest = False  # int4: min/max rounding instead of the fitted scales (int4_search.py)
 
     def __init__(self, qtype: int, dense_min_rows: int | None, act_bits: int):
         super().__init__([qtype], dense_min_rows, act_bits)
@@ -65,7 +92,10 @@ class QuantizeAtLoadMethod(PackedLinearMethod):
         if self.qtypes[0] == FORMATS["I8_ROW"].id:
             packed = quantize_i8_row(dense)
         else:
-            packed = quantize_q4_groups(dense, FORMATS["Q4_1"].block if self.qtypes[0] == FORMATS["Q4_1"].id else 128)
+            group = FORMATS["Q4_1"].block if self.qtypes[0] == FORMATS["Q4_1"].id else 128
+            packed = quantize_q4_groups(dense, group, round_to_nearest=self.round_to_nearest,
+                                        input_scale=getattr(layer, "quant_input_scale", None))
+            layer.quant_input_scale = None
         layer.q_rows = [dense.shape[0]]
         layer.q_out = dense.shape[0]
         layer.q_in = dense.shape[1]
