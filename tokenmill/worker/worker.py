@@ -167,13 +167,18 @@ class Worker:
 
     def _draft_vocab(self, spec, source: ModelSource, cfg):
         """The ids the draft's head scores (draft_vocab.py); None: all of them."""
-        if spec.draft_vocab_size is None or spec.draft_vocab_size >= cfg.vocab_size:
-            return None
+        from tokenmill.config.speculative import DRAFT_VOCAB_MIN, DRAFT_VOCAB_SIZE
         from tokenmill.worker.spec_decode.draft_vocab import draft_vocab_ids
+
+        size = spec.draft_vocab_size
+        if size == "auto":
+            size = DRAFT_VOCAB_SIZE if cfg.vocab_size > DRAFT_VOCAB_MIN else None
+        if size is None or size >= cfg.vocab_size:
+            return None
 
         tok = load_tokenizer(source, None, self.config.model.trust_remote_code)
         special = list(getattr(tok, "added_tokens_decoder", {})) + list(tok.all_special_ids) + cfg.eos_token_id
-        ids = draft_vocab_ids(spec.draft_vocab_size, cfg.vocab_size, special)
+        ids = draft_vocab_ids(size, cfg.vocab_size, special)
         logger.info("speculative decoding: the draft scores %d of %d tokens", len(ids), cfg.vocab_size)
         return ids
 
