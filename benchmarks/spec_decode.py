@@ -71,12 +71,17 @@ def total(parts: list[dict]) -> dict:
 def spec_configs(k: int, draft: str | None, draft_k: int | None = None) -> dict[str, str | None]:
     """ngram drafts up to k tokens, as many as the match is long (the default max_spec_factor);
     ngram-fixed always k (the factor off); draft-int4: the draft requantized to int4 at load (drafts
-    stop below the default draft_p_min); draft-int4-all: always k drafts (draft_p_min 0)."""
+    stop below the default draft_p_min, its head scores the default draft_vocab_size tokens);
+    draft-int4-all: always k drafts (draft_p_min 0); draft-int4-fullvocab: its head scores every
+    token; draft-int4-v<N>: N tokens."""
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     draft_spec = {"model": draft, "num_speculative_tokens": draft_k or k}
     return {"none": None, "ngram": json.dumps(ngram), "ngram-fixed": json.dumps({**ngram, "max_spec_factor": None}),
             "draft": json.dumps(draft_spec), "draft-int4": json.dumps({**draft_spec, "quantization": "int4"}),
-            "draft-int4-all": json.dumps({**draft_spec, "quantization": "int4", "draft_p_min": 0})}
+            "draft-int4-all": json.dumps({**draft_spec, "quantization": "int4", "draft_p_min": 0}),
+            "draft-int4-fullvocab": json.dumps({**draft_spec, "quantization": "int4", "draft_vocab_size": None}),
+            **{f"draft-int4-v{n}": json.dumps({**draft_spec, "quantization": "int4", "draft_vocab_size": n})
+               for n in (16384, 32768, 65536)}}
 
 
 def cpu_model() -> str:

@@ -137,3 +137,21 @@ def test_ngram_drafts_as_many_as_the_match_is_long():
     # the longest n-gram (up to n_max) wins over a more recent shorter one, as without the factor
     t = np.array([1, 2, 3, 4, 9, 9, 1, 2, 3, 5, 6, 0, 2, 3])
     assert ngram_drafts(t, 3, 2, 4, spec_factor=1.0) == [5, 6]
+
+
+def test_a_draft_with_no_mass_outside_a_subset_is_corrected_to_p():
+    """A reduced draft vocabulary (draft_vocab.py): the draft's q is zero outside its subset, so the
+    target's tokens there come only from the residual max(p - q, 0); each token still follows p,
+    those outside the subset included, for a general q and a one-hot q (the draft's argmax)."""
+    p = _dists(9, 2)
+    q = _dists(10, 1)
+    q[0, 4:] = 0.0  # the draft scores tokens 0..3 only
+    q = q / q.sum(dim=-1, keepdim=True)
+    counts = _draft_then_verify(verify_sampled, p, q, 11)
+    assert_distributed_as(counts, p[0])
+    assert any(t >= 4 for t in counts)  # tokens outside the subset were produced
+    one_hot = torch.zeros_like(q)
+    one_hot[0, int(q[0].argmax())] = 1.0
+    assert_distributed_as(_draft_then_verify(verify_sampled, p, one_hot, 12), p[0])
+    stat, df = chi2_stat(_draft_then_verify(_biased, p, q, 11), p[0])
+    assert stat > chi2_critical(df), "the check cannot tell a biased acceptance rule"

@@ -182,6 +182,9 @@ def test_drafts_stay_within_max_tokens():
     ('{"method": "ngram", "num_speculative_tokens": 2, "max_spec_factor": 0}', "max_spec_factor"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "max_spec_factor": "x"}', "max_spec_factor"),
     ('{"model": "x", "num_speculative_tokens": 2, "draft_p_min": 1.5}', "draft_p_min"),
+    ('{"model": "x", "num_speculative_tokens": 2, "draft_vocab_size": 0}', "draft_vocab_size"),
+    ('{"model": "x", "num_speculative_tokens": 2, "draft_vocab_size": "big"}', "draft_vocab_size"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_vocab_size": 1024}', "draft_vocab_size"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft_p_min": 0.5}', "draft_p_min"),
 ])
 def test_bad_speculative_config_is_a_clear_error(bad, match):

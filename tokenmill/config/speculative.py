@@ -11,8 +11,12 @@ from tokenmill.config.fields import opt
 from tokenmill.errors import ConfigError
 
 SPEC_METHODS = ("ngram", "draft_model")
+# "draft_vocab_size": "auto" (the default): the draft's head scores the 32k most frequent tokens of a
+# vocabulary of more than 64k (Qwen2.5's 152k: a fifth of its rows), all tokens of a smaller one
+DRAFT_VOCAB_SIZE, DRAFT_VOCAB_MIN = 32768, 65536
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-              "disable_by_batch_size", "adaptive", "max_spec_factor", "quantization", "draft_p_min"}
+              "disable_by_batch_size", "adaptive", "max_spec_factor", "quantization", "draft_p_min",
+              "draft_vocab_size"}
 
 
 @dataclass
@@ -28,8 +32,10 @@ class SpeculativeConfig:
         "(up to num_speculative_tokens; null: always num_speculative_tokens); \"quantization\" (draft model): "
         "\"int4\" quantizes the draft's weights to int4 at load (a GGUF draft: its layers stored wider than 5 "
         "bits per weight), a faster draft for slightly worse guesses; \"draft_p_min\" (draft model, default 0.75, "
-        "llama.cpp's --draft-p-min): a draft stops at a token its model gives less than this probability. "
-        "Default: off.")
+        "llama.cpp's --draft-p-min): a draft stops at a token its model gives less than this probability; "
+        "\"draft_vocab_size\" (draft model; default \"auto\": 32768 of a vocabulary over 65536 tokens; null: "
+        "the whole vocabulary): the draft's LM head scores only this many most frequent tokens (the lowest BPE "
+        "ids) and the special tokens, the target still verifies with all of them. Default: off.")
 
     def validate(self) -> None:
         raw = self.speculative_config
@@ -89,6 +95,12 @@ class SpeculativeConfig:
                               or not 0 <= p < 1):
             raise ConfigError(f"speculative_config: draft_p_min is a probability in [0, 1) for a draft model, got "
                               f"{p!r}", param="speculative_config")
+        self.draft_vocab_size = raw.get("draft_vocab_size", "auto" if method == "draft_model" else None)
+        n = self.draft_vocab_size
+        if n is not None and (method != "draft_model" or n != "auto" and (isinstance(n, bool) or not isinstance(n, int)
+                                                                         or n <= 0)):
+            raise ConfigError(f"speculative_config: draft_vocab_size is a positive number of tokens, \"auto\" or "
+                              f"null (the whole vocabulary) for a draft model, got {n!r}", param="speculative_config")
         self.max_spec_factor = raw.get("max_spec_factor", 1.0)
         f = self.max_spec_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < math.inf):

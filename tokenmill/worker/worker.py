@@ -162,7 +162,25 @@ class Worker:
                     quant_config.describe() if quant_config else "not quantized", model.weight_bytes / 2**20,
                     spec.num_speculative_tokens, spec.draft_p_min or 0, time.monotonic() - t0)
         return DraftModelProposer(model, self.backend, self.config.cache.block_size, spec.num_speculative_tokens,
-                                  self.device, self.max_model_len, spec.draft_p_min or 0.0)
+                                  self.device, self.max_model_len, spec.draft_p_min or 0.0,
+                                  self._draft_vocab(spec, source, cfg))
+
+    def _draft_vocab(self, spec, source: ModelSource, cfg):
+        """The ids the draft's head scores (draft_vocab.py); None: all of them."""
+        from tokenmill.config.speculative import DRAFT_VOCAB_MIN, DRAFT_VOCAB_SIZE
+        from tokenmill.worker.spec_decode.draft_vocab import draft_vocab_ids
+
+        size = spec.draft_vocab_size
+        if size == "auto":
+            size = DRAFT_VOCAB_SIZE if cfg.vocab_size > DRAFT_VOCAB_MIN else None
+        if size is None or size >= cfg.vocab_size:
+            return None
+
+        tok = load_tokenizer(source, None, self.config.model.trust_remote_code)
+        special = list(getattr(tok, "added_tokens_decoder", {})) + list(tok.all_special_ids) + cfg.eos_token_id
+        ids = draft_vocab_ids(size, cfg.vocab_size, special)
+        logger.info("speculative decoding: the draft scores %d of %d tokens", len(ids), cfg.vocab_size)
+        return ids
 
     def _draft_quant_config(self, spec, source: ModelSource):
         """The target's quantization, or int4 at load with the draft's "quantization": "int4" (a GGUF

@@ -10,7 +10,8 @@ stop at a token the draft gives less than `p_min` (llama.cpp's --draft-p-min): a
 is likely rejected, and each draft costs a draft pass and a verification row (on code, 0.75 cut a
 k = 8 step's wasted work without losing accepted tokens; BENCHMARKS.md). The scheduler reserves k
 lookahead slots for the draft's K/V past the request's tokens; a request whose blocks hold fewer
-gets fewer drafts.
+gets fewer drafts. With a reduced draft vocabulary (draft_vocab.py) the draft's head scores only
+the most frequent tokens.
 """
 
 from __future__ import annotations
@@ -25,8 +26,13 @@ from tokenmill.worker.request_state import RequestState
 
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, backend, block_size: int, k: int, device: torch.device,
-                 max_model_len: int, p_min: float = 0.0):
+                 max_model_len: int, p_min: float = 0.0, vocab_ids: torch.Tensor | None = None):
+        from tokenmill.worker.spec_decode.draft_vocab import ReducedLMHead
+
         self.model = model
+        # the draft's head: its own, or its rows of the reduced vocabulary (column j: token vocab_ids[j])
+        self.vocab_ids = vocab_ids
+        self.head = model.compute_logits if vocab_ids is None else ReducedLMHead(model.lm_head, vocab_ids)
         self.p_min = p_min
         self.backend = backend
         self.block_size = block_size
@@ -68,14 +74,18 @@ class DraftModelProposer:
                     new = s.token_ids[start:]
                 else:
                     start, new = len(s.token_ids) + step - 1, [drafts[i][-1]]
-                rows.append((new, start, s.block_ids, len(new) == 1))
+                # a few new tokens (the accepted ones) take the decode path as verification rows do:
+                # the paged kernel, and the fused one-call layers (fused_decode.py) where they apply
+                rows.append((new, start, s.block_ids, len(new) <= self.k + 1))
             order = sorted(range(len(rows)), key=lambda j: not rows[j][3])  # decodes first
             input_ids, positions, layout = flat_batch([rows[j] for j in order], self.block_size, self.device)
             hidden = self.model(input_ids, positions, self.backend.build_metadata(layout))
             if len(layout.query_lens) < len(input_ids):
                 hidden = hidden[torch.from_numpy(np.cumsum(layout.query_lens) - 1)]
-            logits = self.model.compute_logits(hidden)
+            logits = self.head(hidden)
             best, tokens = logits.max(dim=-1)
+            if self.vocab_ids is not None:
+                tokens = self.vocab_ids[tokens]
             if self.p_min > 0:  # p(argmax) = exp(max - logsumexp)
                 keep = ((best - torch.logsumexp(logits.float(), dim=-1)).exp() >= self.p_min).tolist()
             for j, tok in enumerate(tokens.tolist()):
