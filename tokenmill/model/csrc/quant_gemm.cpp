@@ -8,8 +8,9 @@
 // whose lanes are output rows, so the weights are read once per call, as packed as they are
 // stored, with no horizontal sums. Each decoded chunk serves several activation rows: up to 4 in
 // quant_gemm_x8.cpp (AVX2, scalar), up to 8 with 16 output rows per zmm in quant_gemm_rows.cpp (AVX-512).
-// Many rows (prefill): dequantize a slab of W to the activation dtype and hand it to the dense
-// GEMM (oneDNN), whose throughput wins once the weights are reused enough.
+// Many rows (prefill, big batches): the same packed kernel, with activation rows blocked to fit
+// L2, or, where the ISA's measured crossover says so (packed.py's DENSE_MIN_ROWS: AVX2, AMX),
+// dequantize a slab of W to the activation dtype and hand it to the dense GEMM (oneDNN).
 // Compiled once per ISA variant (quant_kernels.py): the SIMD paths below follow the flags.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
