@@ -54,6 +54,8 @@ ROWS = {
                   dict(quantization="gguf", dtype="bfloat16", **DECODE_PATH)),
     "gguf-act8": ("gguf", "gguf native, fp32, --quant-act-bits 8", GGUF_REF,
                   dict(quantization="gguf", dtype="float32", quant_act_bits=8, **DECODE_PATH)),
+    "gguf-bf16-act8": ("gguf", "gguf native, bf16, --quant-act-bits 8", GGUF_REF,
+                       dict(quantization="gguf", dtype="bfloat16", quant_act_bits=8, **DECODE_PATH)),
     "kv-bf16": ("kv", "gguf native, bf16, bf16 KV cache", None,
                 dict(quantization="gguf", dtype="bfloat16", kv_cache_dtype="bfloat16", **DECODE_PATH)),
     "kv-int8": ("kv", "gguf native, bf16, int8 KV cache", KV_REF,

@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--draft-k", type=int, default=None, help="the draft model's (default: --k)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quant-act-bits", type=int, default=16, help="the target's packed-kernel activation codes")
     ap.add_argument("--streams", type=int, default=2, help="requests of the one-stream point (concurrency 1)")
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--output-len", type=int, default=128)
@@ -120,10 +121,12 @@ def main() -> None:
                       "load_before": open("/proc/loadavg").read().split()[:3], "model": args.model or "smollm2-135m",
                       "draft": args.draft, "k": args.k, "draft_k": args.draft_k or args.k,
                       "output_len": args.output_len, "workload": args.workload,
+                      "quant_act_bits": args.quant_act_bits,
                       "threads": os.environ.get("OMP_NUM_THREADS", "all")}), flush=True)
     llms = {}
     for name in names:
         llms[name] = LLM(model=args.model, dtype=args.dtype, speculative_config=spec_of(name),
+                         quant_act_bits=args.quant_act_bits,
                          kv_cache_memory=args.kv_cache_memory, max_model_len=2048,
                          enable_prefix_caching=False, progress=False)
         run(llms[name], prompts(2, args.max_chars, args.workload), 8)  # warm-up

@@ -6,11 +6,13 @@ server killed with SIGKILL (even mid kernel build) starts again."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -139,6 +141,19 @@ def _own_builds(cache) -> list:
     return [p for p in cache.glob("kernels/*/build-*") if not p.parent.is_symlink()]
 
 
+def _processes_naming(path) -> list[str]:
+    """Command lines of running processes that mention `path` (a build's ninja and compilers)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmd = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it exited meanwhile
+            continue
+        if str(path) in cmd and cmdline.parent.name != str(os.getpid()):
+            found.append(cmd[:200])
+    return found
+
+
 def test_sigkill_mid_kernel_build_then_restart(tmp_path):
     # only the attention kernels are built here (the quantized GEMMs and the model files are the
     # session's): a kill mid-build and the restart's rebuild are the same, at a third of the cost
@@ -149,8 +164,13 @@ def test_sigkill_mid_kernel_build_then_restart(tmp_path):
         assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log()
         time.sleep(0.05)
     time.sleep(2)  # the compiler is running
+    assert _processes_naming(tmp_path), "no compiler is running: test the wrong thing"
     srv.stop(signal.SIGKILL)
     assert _own_builds(tmp_path), "the kill left no half-built kernels: test the wrong thing"
+    deadline = time.monotonic() + 10  # the build's process group dies with the server
+    while _processes_naming(tmp_path):
+        assert time.monotonic() < deadline, f"orphaned build processes: {_processes_naming(tmp_path)}"
+        time.sleep(0.1)
     again = ServerProcess(env=env).wait_ready(timeout=300)  # the kernel lock died with its holder
     try:
         assert "cpu_paged attention" in again.log()

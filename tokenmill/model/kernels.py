@@ -14,9 +14,12 @@ from __future__ import annotations
 import fcntl
 import glob
 import hashlib
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -144,25 +147,18 @@ def build_library(name: str, sources: list[Path], cflags: list[str], headers: tu
 
 
 def _build(root: Path, library: Path, name: str, sources: list[Path], cflags: list[str], unity: bool) -> None:
-    """Compile in a private folder, then move the library into place atomically."""
-    from torch.utils.cpp_extension import load
-
-    try:  # the `ninja` wheel ships its binary outside PATH when the venv is not activated
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass
+    """Compile in a private folder, in a child process (`kernel_build.py`) that takes its compiler
+    down with it if this process dies, even by SIGKILL; then move the library into place atomically."""
     logger.info("building %s (once per machine, ~10-20 s)", name)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix="build-"))
     try:
-        if unity and len(sources) > 1:  # torch's headers, most of each file's compile time, parsed once
-            unit = tmp / f"{name}_unity.cpp"
-            unit.write_text("".join(f'#include "{p.resolve()}"\n' for p in sources))
-            sources = [unit]
-        built = load(name=name, sources=[str(p) for p in sources], is_python_module=False,
-                     build_directory=str(tmp), verbose=False, extra_cflags=cflags,
-                     extra_ldflags=_openmp_ldflags())
-        os.replace(built, library)
+        job = dict(name=name, sources=[str(p) for p in sources], build_directory=str(tmp), cflags=cflags,
+                   ldflags=_openmp_ldflags(), unity=unity, parent=os.getpid())
+        done = subprocess.run([sys.executable, "-m", "tokenmill.model.kernel_build", json.dumps(job)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+            raise RuntimeError(f"building {name} failed: {last}\n{done.stderr[-20000:]}")
+        os.replace(done.stdout.strip().splitlines()[-1], library)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
