@@ -159,13 +159,15 @@ def test_sigkill_mid_kernel_build_then_restart(tmp_path):
     # session's): a kill mid-build and the restart's rebuild are the same, at a third of the cost
     env = {"TOKENMILL_CACHE_DIR": str(private_cache(tmp_path, rebuild="tokenmill_cpu_kernels", model_files=True))}
     srv = ServerProcess(env=env)
-    deadline = time.monotonic() + 120
-    while "building tokenmill_cpu_kernels" not in srv.log():
-        assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log()
-        time.sleep(0.05)
-    time.sleep(2)  # the compiler is running
-    assert _processes_naming(tmp_path), "no compiler is running: test the wrong thing"
-    srv.stop(signal.SIGKILL)
+    try:
+        deadline = time.monotonic() + 120
+        while "building tokenmill_cpu_kernels" not in srv.log():
+            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log()
+            time.sleep(0.05)
+        time.sleep(2)  # the compiler is running
+        assert _processes_naming(tmp_path), "no compiler is running: test the wrong thing"
+    finally:
+        srv.stop(signal.SIGKILL)
     assert _own_builds(tmp_path), "the kill left no half-built kernels: test the wrong thing"
     deadline = time.monotonic() + 10  # the build's process group dies with the server
     while _processes_naming(tmp_path):
