@@ -15,42 +15,89 @@ pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ to
 STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
+def _filled_cache(ops, kind, dtype, lens, hkv, d, bs=16):
+    """A paged cache of `kind` holding random K/V of sequences of `lens` tokens (every token row
+    written by kv_write_quant); returns data, scale, tables, and the K/V as written."""
+    per_seq = max(8, -(-max(lens) // bs))
+    nb = per_seq * len(lens) + 8
+    data = torch.zeros(2, nb, bs, hkv, d, dtype=STORAGE[kind])
+    scale = torch.zeros(2, nb, bs, hkv)
+    tables = torch.randperm(nb)[:per_seq * len(lens)].view(len(lens), per_seq)  # no block shared between sequences
+    ks, vs = [], []
+    for i, n in enumerate(lens):
+        k = (torch.randn(n, hkv, d) * 3).to(dtype)
+        v = torch.randn(n, hkv, d).to(dtype)
+        k[0] = 0  # an all-zero head: scale 0, no NaN
+        ops.kv_write_quant(k, v, data[0], data[1], scale[0], scale[1], _slots(tables[i], n, bs))
+        ks.append(k)
+        vs.append(v)
+    return data, scale, tables, ks, vs
+
+
+def _slots(table, n, bs=16):
+    p = torch.arange(n)
+    return table[p // bs] * bs + p % bs
+
+
+def _reference(q, data, scale, table, n, d, hkv):
+    """SDPA of one row over what the cache stores (codes times scales) for its first n tokens."""
+    slots = _slots(table, n)
+    k, v = (data[j].view(-1, hkv, d)[slots].float() * scale[j].view(-1, hkv)[slots, :, None] for j in (0, 1))
+    return F.scaled_dot_product_attention(q.float().unsqueeze(1), k.transpose(0, 1), v.transpose(0, 1), scale=0.125,
+                                          enable_gqa=True).squeeze(1)
+
+
 @pytest.mark.parametrize("variant", supported_variants())
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_cache_write_and_decode(variant, kind, dtype):
     torch.manual_seed(0)
     ops = quant_kv_ops(variant)
-    nb, bs, hkv, heads, d, lens = 32, 16, 2, 6, 64, [1, 7, 33, 120]
-    data = torch.zeros(2, nb, bs, hkv, d, dtype=STORAGE[kind])
-    scale = torch.zeros(2, nb, bs, hkv)
-    tables = torch.randperm(nb)[:8 * len(lens)].view(len(lens), 8)  # no block shared between sequences
-    ks, vs = [], []
-    for i, n in enumerate(lens):  # write every sequence's K/V, one token row per slot
-        k = (torch.randn(n, hkv, d) * 3).to(dtype)
-        v = torch.randn(n, hkv, d).to(dtype)
-        k[0] = 0  # an all-zero head: scale 0, no NaN
-        p = torch.arange(n)
-        slots = tables[i][p // bs] * bs + p % bs
-        ops.kv_write_quant(k, v, data[0], data[1], scale[0], scale[1], slots)
-        ks.append(k)
-        vs.append(v)
+    hkv, heads, d, lens = 2, 6, 64, [1, 7, 33, 120]
+    data, scale, tables, ks, vs = _filled_cache(ops, kind, dtype, lens, hkv, d)
     q = torch.randn(len(lens), heads, d).to(dtype)
     out = torch.empty_like(q)
     ops.paged_decode_attention_q(out, q, data[0], data[1], scale[0], scale[1], tables, torch.tensor(lens), 0.125)
     for i, n in enumerate(lens):
-        p = torch.arange(n)
-        slots = tables[i][p // bs] * bs + p % bs
+        slots = _slots(tables[i], n)
         stored = [data[j].view(-1, hkv, d)[slots].float() * scale[j].view(-1, hkv)[slots, :, None] for j in (0, 1)]
         # what the kernel reads back is within the format's rounding of what was written
         rel = 0.5 / 127 if kind == "int8" else 2**-4
         for j, x in enumerate((ks[i], vs[i])):
             amax = x.float().abs().amax(-1, keepdim=True)
             assert ((stored[j] - x.float()).abs() <= rel * amax + 1e-6).all()
-        ref = F.scaled_dot_product_attention(q[i].float().unsqueeze(1), stored[0].transpose(0, 1),
-                                             stored[1].transpose(0, 1), scale=0.125, enable_gqa=True).squeeze(1)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out[i].float(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(out[i].float(), _reference(q[i], data, scale, tables[i], n, d, hkv),
+                                   atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("hkv,heads,d", [(2, 6, 64), (3, 9, 64), (2, 12, 128), (1, 10, 128)])
+def test_avx512_decode_reads_a_quantized_cache(kind, hkv, heads, d):
+    """The attention library's AVX-512 kernel on int8 / fp8 caches (bf16 queries): against SDPA over
+    the stored values, for plain rows and a verification run (rows over one table, lengths L..L+2),
+    each row the same as alone."""
+    from tokenmill.model.kernels import load_cpu_kernels
+
+    torch.manual_seed(1)
+    if not load_cpu_kernels():
+        pytest.skip("no CPU kernels")
+    lens = [1, 70, 200, 300]
+    data, scale, tables, _, _ = _filled_cache(quant_kv_ops(), kind, torch.bfloat16, lens, hkv, d)
+    rows = [(0, 1), (1, 70), (2, 200), (3, 298), (3, 299), (3, 300)]  # the last three: a verification run
+    q = torch.randn(len(rows), heads, d).to(torch.bfloat16)
+    row_tables = torch.stack([tables[s] for s, _ in rows])
+    row_lens = torch.tensor([n for _, n in rows])
+    out = torch.empty_like(q)
+    scaled = torch.ops.tokenmill.paged_decode_attention_scaled
+    if not scaled(out, q, data[0], data[1], scale[0], scale[1], row_tables, row_lens, 0.125):
+        pytest.skip("no AVX-512 path on this CPU (or TOKENMILL_CPU_ISA caps it)")
+    for i, (s, n) in enumerate(rows):
+        torch.testing.assert_close(out[i].float(), _reference(q[i], data, scale, tables[s], n, d, hkv),
+                                   atol=2e-2, rtol=2e-2)
+        alone = torch.empty_like(q[i:i + 1])
+        scaled(alone, q[i:i + 1], data[0], data[1], scale[0], scale[1], row_tables[i:i + 1], row_lens[i:i + 1], 0.125)
+        assert torch.equal(alone, out[i:i + 1])
 
 
 def test_int8_cache_halves_the_bytes_and_generates():

@@ -34,7 +34,8 @@ _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.
                                                                     "decode_layers.cpp")]
 _HEADERS = (Path(__file__).parent / "csrc" / "paged_attention_avx512.h",)
 _NAME = "tokenmill_cpu_kernels"
-_OPS = ("paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "decode_layers")
+_OPS = ("paged_decode_attention", "paged_decode_attention_scaled", "rms_norm", "silu_and_mul", "rotary_embedding",
+        "decode_layers")
 _lock = threading.Lock()
 _loaded: bool | None = None
 unavailable_reason: str | None = None  # why the kernels could not be built or loaded, for error messages

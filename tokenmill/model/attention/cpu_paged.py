@@ -71,9 +71,11 @@ class CPUPagedBackend(TorchSDPABackend):
                 cache.data[i].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, x.to(cache.data.dtype))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = meta.num_decodes
-        if nd:
-            ops.paged_decode_attention_q(out[:nd], q[:nd].contiguous(), cache.data[0], cache.data[1], cache.scale[0],
-                                         cache.scale[1], meta.decodes.tables, meta.decodes.seq_lens, scale)
+        if nd:  # the AVX-512 kernel of a bf16 cache where it applies, else the portable one
+            args = (out[:nd], q[:nd].contiguous(), cache.data[0], cache.data[1], cache.scale[0], cache.scale[1],
+                    meta.decodes.tables, meta.decodes.seq_lens, scale)
+            if not torch.ops.tokenmill.paged_decode_attention_scaled(*args):
+                ops.paged_decode_attention_q(*args)
         gqa = num_heads != num_kv_heads
         for p in meta.prefills:
             qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)

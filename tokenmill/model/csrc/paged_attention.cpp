@@ -126,6 +126,60 @@ void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache, co
 
 namespace tm_paged {
 
+#ifdef TM_HAVE_AVX512_BF16_PATH
+template <typename C>
+void avx512_path(at::Tensor& out, const at::Tensor& q, const PagedKV<C>& kv, const at::Tensor& bt, const at::Tensor& sl,
+                 int64_t Hkv, int64_t BS, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  auto* o = out.data_ptr<at::BFloat16>();
+  const auto* qp = q.data_ptr<at::BFloat16>();
+  if (D == 64)
+    decode_attention_avx512<4, C>(o, qp, kv, bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H, Hkv, BS, bt.size(1),
+                                  scale);
+  else
+    decode_attention_avx512<8, C>(o, qp, kv, bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H, Hkv, BS, bt.size(1),
+                                  scale);
+}
+#endif
+
+// The AVX-512 path over an int8 or fp8 e4m3 cache with per-token scales (quant_kv.cpp's layout):
+// false when it does not apply (another ISA, fp32 queries, head_dim not 64 or 128), and the caller
+// then runs quant_kv.cpp's portable kernel.
+bool paged_decode_attention_scaled(at::Tensor out, const at::Tensor& q, const at::Tensor& k_data,
+                                   const at::Tensor& v_data, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+#ifdef TM_HAVE_AVX512_BF16_PATH
+  const int64_t D = q.size(2);
+  if (q.scalar_type() != at::kBFloat16 || (D != 64 && D != 128) || k_scale.numel() == 0) return false;
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_data.is_contiguous() && v_data.is_contiguous() &&
+                  k_scale.is_contiguous() && v_scale.is_contiguous(),
+              "paged_decode_attention_scaled: tensors must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "paged_decode_attention_scaled: block tables and lengths must be int64");
+  const int64_t BS = k_data.size(1), Hkv = k_data.size(2);
+  auto bt = block_tables.contiguous();
+  auto sl = seq_lens.contiguous();
+  const float* ks = k_scale.data_ptr<float>();
+  const float* vs = v_scale.data_ptr<float>();
+  switch (k_data.scalar_type()) {
+    case at::kChar:
+      avx512_path(out, q, PagedKV<int8_t>{k_data.data_ptr<int8_t>(), v_data.data_ptr<int8_t>(), ks, vs}, bt, sl, Hkv,
+                  BS, static_cast<float>(scale));
+      return true;
+    case at::kFloat8_e4m3fn:
+      avx512_path(out, q,
+                  PagedKV<c10::Float8_e4m3fn>{k_data.data_ptr<c10::Float8_e4m3fn>(),
+                                              v_data.data_ptr<c10::Float8_e4m3fn>(), ks, vs},
+                  bt, sl, Hkv, BS, static_cast<float>(scale));
+      return true;
+    default:
+      return false;
+  }
+#else
+  return false;
+#endif
+}
+
 // out, q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks]
 // int64; seq_lens: [B] int64. head_dim must be a multiple of 32.
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -149,16 +203,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
     case at::kBFloat16:
 #ifdef TM_HAVE_AVX512_BF16_PATH
       if (D == 64 || D == 128) {
-        if (D == 64)
-          decode_attention_bf16<4>(out.data_ptr<at::BFloat16>(), q.data_ptr<at::BFloat16>(),
-                                   k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                                   bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H, Hkv, BS, bt.size(1),
-                                   static_cast<float>(scale));
-        else
-          decode_attention_bf16<8>(out.data_ptr<at::BFloat16>(), q.data_ptr<at::BFloat16>(),
-                                   k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                                   bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H, Hkv, BS, bt.size(1),
-                                   static_cast<float>(scale));
+        const PagedKV<at::BFloat16> kv{k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), nullptr,
+                                       nullptr};
+        avx512_path(out, q, kv, bt, sl, Hkv, BS, static_cast<float>(scale));
         break;
       }
 #endif
@@ -174,8 +221,11 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 TORCH_LIBRARY(tokenmill, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> ()");
+  m.def("paged_decode_attention_scaled(Tensor(a!) out, Tensor q, Tensor k_data, Tensor v_data, Tensor k_scale, "
+        "Tensor v_scale, Tensor block_tables, Tensor seq_lens, float scale) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("paged_decode_attention", &tm_paged::paged_decode_attention);
+  m.impl("paged_decode_attention_scaled", &tm_paged::paged_decode_attention_scaled);
 }

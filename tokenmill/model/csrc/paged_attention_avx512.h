@@ -7,8 +7,11 @@
 // A row's chunks depend on its length only, and each chunk's arithmetic on that row only (the
 // rows of a run share K/V loads, not sums), so a row's result does not depend on the batch, on
 // the run it is part of (a speculative verification), or on the thread count.
+// The cache is bf16, or int8 / fp8 e4m3 codes with one float scale per token and kv head
+// (quant_kv.cpp writes them), turned into floats (code times scale) as each row is loaded.
 #pragma once
 
+#include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 
 #include <atomic>
@@ -22,7 +25,8 @@ inline int64_t key_chunks(int64_t L) { return (L + kKeyChunk - 1) / kKeyChunk; }
 
 // Blocks of a sequence are scattered in the pool, so the hardware prefetcher stalls at every
 // block boundary; fetch the next block's rows of this head while computing on the current one.
-inline void prefetch_block(const at::BFloat16* first_row, int64_t rows, int64_t row_stride, int64_t row_bytes) {
+template <typename C>
+inline void prefetch_block(const C* first_row, int64_t rows, int64_t row_stride, int64_t row_bytes) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < row_bytes; b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(first_row + r * row_stride) + b, _MM_HINT_T0);
@@ -31,6 +35,42 @@ inline void prefetch_block(const at::BFloat16* first_row, int64_t rows, int64_t 
 inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+
+// 16 cache values as floats: bf16 exactly; int8 and fp8 e4m3 as their codes (times the token's scale later)
+inline __m512 f32x16(const at::BFloat16* p) { return bf16x16_to_f32(p); }
+inline __m512 f32x16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+// e4m3 (bias 7) bits moved into a float's exponent and mantissa fields, then scaled by 2^(127 - 7):
+// exact for normal and subnormal codes (the writer clamps, so no NaN code is ever stored)
+inline __m512 f32x16(const c10::Float8_e4m3fn* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 20);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)), _mm512_set1_ps(0x1p120f));
+}
+
+// A token's scale in a quantized cache ([num_blocks, BS, Hkv] floats), 1 for a bf16 cache.
+template <typename C>
+inline float token_scale(const float* scales, const int64_t* table, int64_t t, int64_t BS, int64_t Hkv, int64_t h) {
+  if constexpr (std::is_same_v<C, at::BFloat16>) return 1.f;
+  else return scales[(table[t / BS] * BS + t % BS) * Hkv + h];
+}
+
+// 16 values of a token's K or V row, as floats: a quantized code times the token's scale
+template <typename C>
+inline __m512 kv16(const C* p, float s) {
+  if constexpr (std::is_same_v<C, at::BFloat16>) return f32x16(p);
+  else return _mm512_mul_ps(f32x16(p), _mm512_set1_ps(s));
+}
+
+template <typename C>
+struct PagedKV {  // the cache of one layer: K and V codes, and their scales (unused for bf16)
+  const C* k;
+  const C* v;
+  const float* ks;
+  const float* vs;
+};
 
 // Runs of rows [start, end) that share a block table with lengths rising by one (a verification),
 // cut so that there are at least `min_tasks` (run, kv head) tasks where rows allow.
@@ -73,11 +113,11 @@ struct Partials {
 
 // chunk_partials below for one row (a plain decode) with G known: q and the sums stay in registers;
 // the same operations in the same order.
-template <int NV, int G>
-void row_chunk(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache, const int64_t* table,
-               int64_t L, int64_t b, int64_t h, int64_t H, int64_t row, int64_t BS, int64_t t0, float scale,
-               Partials& part, float* scores) {
+template <int NV, int G, typename C>
+void row_chunk(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table, int64_t L, int64_t b, int64_t h,
+               int64_t H, int64_t row, int64_t BS, int64_t t0, float scale, Partials& part, float* scores) {
   constexpr int64_t D = 16 * NV;
+  const int64_t Hkv = row / D;
   const int64_t t1 = std::min(t0 + kKeyChunk, L), n = t1 - t0, nblocks = (L + BS - 1) / BS;
   __m512 qv[G][NV], acc[G][NV];
   for (int g = 0; g < G; ++g)
@@ -87,13 +127,14 @@ void row_chunk(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFl
     }
   for (int64_t t = t0; t < t1; ++t) {
     if ((t % BS == 0 || t == t0) && t / BS + 1 < nblocks)
-      prefetch_block(k_cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * 2);
-    const at::BFloat16* k = token_row(k_cache, table, t, BS, row, h, D);
-    __m512 kv[NV];
-    for (int j = 0; j < NV; ++j) kv[j] = bf16x16_to_f32(k + 16 * j);
+      prefetch_block(kv.k + table[t / BS + 1] * BS * row + h * D, BS, row, D * sizeof(C));
+    const C* k = token_row(kv.k, table, t, BS, row, h, D);
+    __m512 kx[NV];
+    const float ks = token_scale<C>(kv.ks, table, t, BS, Hkv, h);
+    for (int j = 0; j < NV; ++j) kx[j] = kv16(k + 16 * j, ks);
     for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kv[j], a);
+      __m512 a = _mm512_mul_ps(qv[g][0], kx[0]);
+      for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kx[j], a);
       scores[g * n + t - t0] = _mm512_reduce_add_ps(a);
     }
   }
@@ -103,10 +144,11 @@ void row_chunk(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFl
   }
   for (int64_t t = t0; t < t1; ++t) {
     if ((t % BS == 0 || t == t0) && t / BS + 1 < nblocks)
-      prefetch_block(v_cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * 2);
-    const at::BFloat16* v = token_row(v_cache, table, t, BS, row, h, D);
+      prefetch_block(kv.v + table[t / BS + 1] * BS * row + h * D, BS, row, D * sizeof(C));
+    const C* v = token_row(kv.v, table, t, BS, row, h, D);
     __m512 vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = bf16x16_to_f32(v + 16 * j);
+    const float vs = token_scale<C>(kv.vs, table, t, BS, Hkv, h);
+    for (int j = 0; j < NV; ++j) vv[j] = kv16(v + 16 * j, vs);
     for (int g = 0; g < G; ++g) {
       const __m512 pg = _mm512_set1_ps(scores[g * n + t - t0]);
       for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(pg, vv[j], acc[g][j]);
@@ -118,55 +160,58 @@ void row_chunk(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFl
 
 // Rows [b0, b0 + R) of one run (lengths L0, L0 + 1, ...), kv head h, keys [t0, t0 + kKeyChunk):
 // the partials of every row whose keys reach t0.
-template <int NV>
-void chunk_partials(const at::BFloat16* q, const at::BFloat16* k_cache, const at::BFloat16* v_cache,
-                    const int64_t* table, const int64_t* seq_lens, int64_t b0, int64_t R, int64_t h, int64_t H,
-                    int64_t G, int64_t row, int64_t BS, int64_t t0, float scale, Partials& part,
-                    std::vector<float>& scores, std::vector<__m512>& qbuf, std::vector<__m512>& abuf) {
+template <int NV, typename C>
+void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table, const int64_t* seq_lens,
+                    int64_t b0, int64_t R, int64_t h, int64_t H, int64_t G, int64_t row, int64_t BS, int64_t t0,
+                    float scale, Partials& part, std::vector<float>& scores, std::vector<__m512>& qbuf,
+                    std::vector<__m512>& abuf) {
   constexpr int64_t D = 16 * NV;
+  const int64_t Hkv = row / D;
   const int64_t L0 = seq_lens[b0], Lmax = seq_lens[b0 + R - 1];
-  const int64_t C = std::min(kKeyChunk, Lmax);
+  const int64_t CH = std::min(kKeyChunk, Lmax);
   const int64_t t1 = std::min(t0 + kKeyChunk, Lmax);
   const int64_t r0 = std::max<int64_t>(0, t0 - L0 + 1);  // rows before r0 end before t0
   qbuf.resize(R * G * NV);
   abuf.assign(R * G * NV, _mm512_setzero_ps());
-  scores.resize(R * G * C);
+  scores.resize(R * G * CH);
   for (int64_t r = r0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g)
       for (int j = 0; j < NV; ++j)
         qbuf[(r * G + g) * NV + j] =
             _mm512_mul_ps(bf16x16_to_f32(q + ((b0 + r) * H + h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
   const int64_t nblocks = (Lmax + BS - 1) / BS;
-  auto prefetch_next = [&](const at::BFloat16* cache, int64_t t) {
+  auto prefetch_next = [&](const C* cache, int64_t t) {
     if ((t % BS == 0 || t == t0) && t / BS + 1 < nblocks)
-      prefetch_block(cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * 2);
+      prefetch_block(cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * sizeof(C));
   };
   for (int64_t t = t0; t < t1; ++t) {
-    prefetch_next(k_cache, t);
-    const at::BFloat16* k = token_row(k_cache, table, t, BS, row, h, D);
-    __m512 kv[NV];
-    for (int j = 0; j < NV; ++j) kv[j] = bf16x16_to_f32(k + 16 * j);
+    prefetch_next(kv.k, t);
+    const C* k = token_row(kv.k, table, t, BS, row, h, D);
+    __m512 kx[NV];
+    const float ks = token_scale<C>(kv.ks, table, t, BS, Hkv, h);
+    for (int j = 0; j < NV; ++j) kx[j] = kv16(k + 16 * j, ks);
     for (int64_t r = std::max(r0, t - L0 + 1); r < R; ++r)  // rows whose keys reach t
       for (int64_t g = 0; g < G; ++g) {
         const __m512* qv = &qbuf[(r * G + g) * NV];
-        __m512 acc = _mm512_mul_ps(qv[0], kv[0]);
-        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[j], kv[j], acc);
-        scores[(r * G + g) * C + t - t0] = _mm512_reduce_add_ps(acc);
+        __m512 acc = _mm512_mul_ps(qv[0], kx[0]);
+        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[j], kx[j], acc);
+        scores[(r * G + g) * CH + t - t0] = _mm512_reduce_add_ps(acc);
       }
   }
   for (int64_t r = r0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g) {
       float* p = part.at(b0 + r, h * G + g, t0 / kKeyChunk);
-      p[1] = softmax_partial(&scores[(r * G + g) * C], std::min(t1, L0 + r) - t0, p[0]);
+      p[1] = softmax_partial(&scores[(r * G + g) * CH], std::min(t1, L0 + r) - t0, p[0]);
     }
   for (int64_t t = t0; t < t1; ++t) {
-    prefetch_next(v_cache, t);
-    const at::BFloat16* v = token_row(v_cache, table, t, BS, row, h, D);
+    prefetch_next(kv.v, t);
+    const C* v = token_row(kv.v, table, t, BS, row, h, D);
     __m512 vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = bf16x16_to_f32(v + 16 * j);
+    const float vs = token_scale<C>(kv.vs, table, t, BS, Hkv, h);
+    for (int j = 0; j < NV; ++j) vv[j] = kv16(v + 16 * j, vs);
     for (int64_t r = std::max(r0, t - L0 + 1); r < R; ++r)
       for (int64_t g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[(r * G + g) * C + t - t0]);
+        const __m512 p = _mm512_set1_ps(scores[(r * G + g) * CH + t - t0]);
         __m512* acc = &abuf[(r * G + g) * NV];
         for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(p, vv[j], acc[j]);
       }
@@ -198,11 +243,11 @@ void combine_partials(at::BFloat16* o, Partials& part, int64_t b, int64_t hq, in
   for (int64_t d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(tmp[d]);
 }
 
-// bf16 fast path for head_dim = 16 * NV (64 -> 4, 128 -> 8).
-template <int NV>
-void decode_attention_bf16(at::BFloat16* out, const at::BFloat16* q, const at::BFloat16* k_cache,
-                           const at::BFloat16* v_cache, const int64_t* block_tables, const int64_t* seq_lens,
-                           int64_t B, int64_t H, int64_t Hkv, int64_t BS, int64_t max_blocks, float scale) {
+// bf16 queries and outputs, head_dim = 16 * NV (64 -> 4, 128 -> 8), a cache of C.
+template <int NV, typename C>
+void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const PagedKV<C>& kv,
+                             const int64_t* block_tables, const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
+                             int64_t BS, int64_t max_blocks, float scale) {
   constexpr int64_t D = 16 * NV;
   const int64_t G = H / Hkv;
   const int64_t row = Hkv * D;
@@ -227,8 +272,8 @@ void decode_attention_bf16(at::BFloat16* out, const at::BFloat16* q, const at::B
       if (b_end - b == 1 && G <= 8) {
         scores.resize(G * kKeyChunk);
         auto one = [&](auto g_tag) {
-          row_chunk<NV, decltype(g_tag)::value>(q, k_cache, v_cache, table, seq_lens[b], b, h, H, row, BS, t0, scale,
-                                                part, scores.data());
+          row_chunk<NV, decltype(g_tag)::value, C>(q, kv, table, seq_lens[b], b, h, H, row, BS, t0, scale, part,
+                                                   scores.data());
         };
         switch (G) {
           case 1: one(std::integral_constant<int, 1>{}); break;
@@ -241,8 +286,8 @@ void decode_attention_bf16(at::BFloat16* out, const at::BFloat16* q, const at::B
           default: one(std::integral_constant<int, 8>{}); break;
         }
       } else {
-        chunk_partials<NV>(q, k_cache, v_cache, table, seq_lens, b, b_end - b, h, H, G, row, BS, t0, scale, part,
-                           scores, qbuf, abuf);
+        chunk_partials<NV, C>(q, kv, table, seq_lens, b, b_end - b, h, H, G, row, BS, t0, scale, part, scores, qbuf,
+                              abuf);
       }
       for (int64_t r = std::max<int64_t>(b, b + t0 - seq_lens[b] + 1); r < b_end; ++r) {
         const int64_t n = key_chunks(seq_lens[r]);
