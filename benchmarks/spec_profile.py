@@ -53,8 +53,9 @@ class Timers:
 
 
 def forward_label(_runner, batch) -> str:
-    n = sum(n for _, n, _ in batch)
-    return f"forward {n} tokens" if n <= 16 else "forward prefill"
+    if any(n != 1 + len(drafts) for _, n, drafts in batch):
+        return "forward prefill"
+    return f"forward {sum(n for _, n, _ in batch)} tokens"
 
 
 def main() -> None:
@@ -81,6 +82,7 @@ def main() -> None:
         t.wrap(EngineCore, "step", "engine step (all)", core)
         t.wrap(ModelRunner, "_forward", lambda batch: forward_label(None, batch), runner)
         t.wrap(Sampler, "__call__", "sampler", runner.sampler)
+        t.wrap(type(runner.model), "compute_logits", lambda h: f"LM head {len(h)} rows", runner.model)
         t.wrap(RejectionSampler, "__call__", "rejection sampler", runner.rejection_sampler)
         if runner.proposer is not None:
             t.wrap(type(runner.proposer), "propose", "proposer", runner.proposer)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from tokenmill.core.spec_policy import SpecPolicy
 
 
-def _run(policy: SpecPolicy, num_running: int, on_rate: float, off_rate: float, steps: int = 160) -> float:
+def _run(policy: SpecPolicy, num_running: int, on_rate: float, off_rate: float, steps: int = 160,
+         admitted: tuple[int, int] = (0, 0)) -> float:
     """Steps at the given true speeds (tokens/s); returns the fraction of steps that speculated."""
     on = 0
     for _ in range(steps):
-        s = policy.speculate(num_running)
+        s = policy.speculate(num_running, admitted=admitted)
         on += s
         policy.observe(num_running, s, 1.0, int(on_rate if s else off_rate))
     return on / steps
@@ -67,3 +68,28 @@ def test_a_draining_batch_starts_without_speculation_and_still_finds_it():
     assert not any(first[:15]) and first[15]  # speculation tried after explore_every steps
     p.observe(8, True, 1.0, 300)
     assert _run(p, 8, on_rate=300, off_rate=100) > 0.9
+
+
+def test_a_bucket_forgets_once_its_requests_have_all_finished():
+    """The tail of a concurrent run (its last request alone, speculation slower there) must not
+    decide for the next workload: once the requests it measured are gone, a bucket measures anew."""
+    p = SpecPolicy(explore_every=16, max_explore_every=64)
+    _run(p, 1, on_rate=50, off_rate=100, steps=100, admitted=(63, 63))  # request 63, the last of 64
+    assert p.best(1) is False
+    assert _run(p, 1, on_rate=50, off_rate=100, steps=64, admitted=(63, 63)) <= 2 / 64  # still that request
+    # a new request on a slow verdict would wait up to 64 steps for a try and then average it in;
+    # forgotten, speculation is measured in its first step and kept
+    first = p.speculate(1, admitted=(64, 64))
+    assert first and p.best(1) is None
+    p.observe(1, first, 1.0, 300)
+    assert _run(p, 1, on_rate=300, off_rate=100, steps=60, admitted=(64, 64)) > 0.9
+
+
+def test_a_busy_batch_keeps_its_measurements_while_requests_overlap():
+    p = SpecPolicy(explore_every=16)
+    _run(p, 64, on_rate=80, off_rate=100, steps=100, admitted=(0, 63))
+    for i in range(1, 64):  # requests finish and new ones join, one at a time: never a full turnover
+        p.speculate(64, admitted=(i, 63 + i))
+        assert p.best(p.bucket(64)) is False
+    p.speculate(64, admitted=(64, 127))  # every request measured before has finished
+    assert p.best(p.bucket(64)) is None

@@ -63,6 +63,7 @@ class Scheduler:
         self.num_kept_blocks: dict[str, int] = {}  # for the runner: block tables cut after rejections
         self.spec = SpecDecodingStats()
         self.spec_policy = spec_policy  # measured choice per step (spec_policy.py)
+        self.num_admitted = 0
 
     def add_request(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -131,8 +132,10 @@ class Scheduler:
         # whether to draft for the next step is decided now, so that a step without speculation drafts nothing
         propose = speculate
         if speculate and self.spec_policy is not None and self.running:
+            seqs = [r.admit_seq for r in self.running]
             propose = self.spec_policy.speculate(len(self.running),
-                                                 bool(self.waiting) or any(r.is_prefilling for r in self.running))
+                                                 bool(self.waiting) or any(r.is_prefilling for r in self.running),
+                                                 (min(seqs), max(seqs)))
 
         # 1. running: decodes before chunks of unfinished prefills, each group in admission order
         #    (by rank under the priority policy)
@@ -192,6 +195,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 req.first_scheduled_time = now
+                req.admit_seq, self.num_admitted = self.num_admitted, self.num_admitted + 1
             if req.status == RequestStatus.PREEMPTED:  # the runner still holds its tokens
                 cached_reqs.append(CachedRequestData(req.request_id, True, self.kv.block_ids(req), num_hit))
             else:

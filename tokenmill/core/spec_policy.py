@@ -16,6 +16,14 @@ most 1/max_explore_every of the difference (at concurrency 64 a verification ste
 per token than a plain one: exploring one step in 16 cost ~1% of the decode phase, one in 64
 ~0.25%), and a changed workload is noticed within max_explore_every steps.
 Steps with prefill chunks are not measured (their time is mostly the prefill).
+Measurements are forgotten with the requests they were taken on: once every request that was
+running when a bucket last measured has finished (a full turnover of the batch), that bucket's
+averages, tries and backoff are dropped and it measures both choices anew. Otherwise a bucket
+measured in the tail of a concurrent run (its last, worst-matched requests, where speculation
+measured slower) kept that verdict for the next workload, and its exponential average needed several
+tries, 16, 32 and 64 steps apart, to recover (one stream after concurrency 64: 1.0x against 1.6x on
+a fresh engine). At one stream this is each new request: two measuring steps per request. A busy
+large bucket is forgotten only after a whole batch's worth of requests has come and gone.
 The scheduler asks a step ahead (the runner drafts after sampling, for the next step), so a step
 run without speculation pays no proposer either: with a draft model that is most of the cost.
 While prompts wait or are still prefilling, nobody drafts: such steps are compute-bound (their
@@ -39,6 +47,8 @@ class SpecPolicy:
         self.wait: dict[int, int] = {}  # bucket -> steps until the next try of the other choice
         self.interval: dict[int, int] = {}  # bucket -> the current wait between tries
         self.trying: dict[int, bool] = {}  # bucket -> the choice a pending try measures
+        self.last_batch: dict[int, int] = {}  # bucket -> the newest admission it measured (turnover)
+        self._newest = 0  # the newest admission running in the step being scheduled
 
     @staticmethod
     def bucket(num_running: int) -> int:
@@ -54,7 +64,21 @@ class SpecPolicy:
         measured = sorted(bb for bb, _ in self.rate if bb > b and self.best(bb) is not None)
         return self.best(measured[0]) if measured else None
 
-    def speculate(self, num_running: int, prefill_pending: bool = False) -> bool:
+    def _forget_turned_over(self, oldest: int) -> None:
+        """Drop the buckets whose measured requests have all finished (admitted before `oldest`)."""
+        for b in [b for b, newest in self.last_batch.items() if newest < oldest]:
+            del self.last_batch[b]
+            for d in (self.wait, self.interval, self.trying):
+                d.pop(b, None)
+            for on in (True, False):
+                self.rate.pop((b, on), None)
+
+    def speculate(self, num_running: int, prefill_pending: bool = False,
+                  admitted: tuple[int, int] = (0, 0)) -> bool:
+        """`admitted`: the admission numbers of the oldest and newest running request (turnover)."""
+        oldest, self._newest = admitted
+        if self.last_batch:
+            self._forget_turned_over(oldest)
         if prefill_pending:
             return False
         b = self.bucket(num_running)
@@ -77,6 +101,7 @@ class SpecPolicy:
         if elapsed <= 0 or num_output_tokens <= 0:
             return
         b = self.bucket(num_running)
+        self.last_batch[b] = self._newest
         before = self.best(b)
         key = (b, speculated)
         rate = num_output_tokens / elapsed
