@@ -93,3 +93,28 @@ def test_a_busy_batch_keeps_its_measurements_while_requests_overlap():
         assert p.best(p.bucket(64)) is False
     p.speculate(64, admitted=(64, 127))  # every request measured before has finished
     assert p.best(p.bucket(64)) is None
+
+
+def test_draft_length_follows_the_measured_cost_per_row_count():
+    """One stream: the drafts are cut to the length with the most expected tokens per second; a
+    size the kernels run cheaply (here 16 rows, a whole number of 8-row tiles) is found and used."""
+    cost_ms = {q: 6 + 3 * q for q in range(1, 18)}
+    cost_ms[16] = 42.0  # cheaper than 15 rows (51 ms) and 17 (57 ms)
+    p = SpecPolicy()
+    chosen = []
+    for _ in range(40):
+        n = p.draft_length(1, 16)
+        chosen.append(n)
+        tokens = 1 + n if n < 16 else 16  # every draft kept, except the 16th
+        p.observe(1, n > 0, cost_ms[1 + n] / 1e3, tokens, 1 + n, n)
+    assert chosen[0] == 16  # the full length is measured first
+    assert chosen[-10:] == [15] * 10
+    assert p.draft_length(2, 16) == 16  # with several requests running, drafts are not cut
+
+
+def test_draft_length_is_shorter_when_drafts_are_mostly_rejected():
+    p = SpecPolicy()
+    for _ in range(60):
+        n = p.draft_length(1, 8)
+        p.observe(1, n > 0, (6 + 3 * n) / 1e3, 1 + min(n, 1), 1 + n, n)  # only the first draft is ever kept
+    assert p.draft_length(1, 8) <= 2

@@ -145,6 +145,7 @@ class EngineCore:
             elapsed = time.perf_counter() - t0 - result.draft_seconds + (self._draft_seconds if spec else 0.0)
             self._draft_seconds = result.draft_seconds - result.draft_prefill_seconds
             if all(n == 1 + len(spec.get(r, ())) for r, n in sched.num_scheduled_tokens.items()):
-                policy.observe(num_running, bool(spec), elapsed, sum(len(o.new_token_ids) for o in outputs))
+                policy.observe(num_running, bool(spec), elapsed, sum(len(o.new_token_ids) for o in outputs),
+                               sched.total_num_scheduled_tokens, sum(map(len, spec.values())))
         self._drop_finished_if_idle()
         return EngineCoreOutputs(outputs, time.monotonic(), self.stats(), failed=errors)

@@ -80,10 +80,14 @@ std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* tables, const i
   std::vector<std::pair<int64_t, int64_t>> runs;
   for (int64_t b = 0; b < B;) {
     int64_t e = b + 1;
-    while (e < B && e - b < kMaxRun && lens[e] == lens[e - 1] + 1 &&
+    while (e < B && lens[e] == lens[e - 1] + 1 &&
            std::equal(tables + e * max_blocks, tables + e * max_blocks + (lens[e] + BS - 1) / BS, tables + b * max_blocks))
       ++e;
-    runs.emplace_back(b, e);
+    // runs of at most kMaxRun rows, of even sizes (17 rows: 9 + 8, not 16 + 1, which left one
+    // thread the whole 16-row run while the other ran the single row)
+    const int64_t parts = (e - b + kMaxRun - 1) / kMaxRun;
+    for (int64_t i = 0; i < parts; ++i)
+      runs.emplace_back(b + (e - b) * i / parts, b + (e - b) * (i + 1) / parts);
     b = e;
   }
   for (bool cut = true; cut && static_cast<int64_t>(runs.size()) * Hkv < min_tasks;) {
@@ -158,13 +162,54 @@ void row_chunk(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(part.at(b, h * G + g, t0 / kKeyChunk) + 2 + 16 * j, acc[g][j]);
 }
 
+// _mm512_reduce_add_ps of 16 vectors at once, each sum exactly as GCC's (lanes i + (i + 8), then
+// j + (j + 4), then 0 + 2 and 1 + 3, then those two; float addition commutes), by shuffles that
+// serve four or eight vectors per add. Output lane 4l + m is the sum of a[4m + l]: put item j at
+// a[slot16(j)] to get them in order.
+constexpr int slot16(int j) { return 4 * (j % 4) + j / 4; }
+
+inline __m512 reduce_add16(const __m512 a[16]) {
+  __m512 b[8], c[4];
+  for (int p = 0; p < 8; ++p)
+    b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+  for (int s = 0; s < 4; ++s)
+    c[s] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * s], b[2 * s + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * s], b[2 * s + 1], 0xDD));
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_ps(c[2], c[3], 0x44), _mm512_shuffle_ps(c[2], c[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
+}
+
+// sum_t p_i[t] v[t] for NH heads (out_i), each lane's sum in t order from zero, as row_chunk.
+template <int NV, int NH>
+inline void weighted_values(const float* vf, const float* const* p, int64_t n, float* const* out) {
+  __m512 acc[NH][NV];
+  for (int i = 0; i < NH; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(vf + t * 16 * NV + 16 * j);
+    for (int i = 0; i < NH; ++i) {
+      const __m512 pt = _mm512_set1_ps(p[i][t]);
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(pt, v[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < NH; ++i)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out[i] + 16 * j, acc[i][j]);
+}
+
 // Rows [b0, b0 + R) of one run (lengths L0, L0 + 1, ...), kv head h, keys [t0, t0 + kKeyChunk):
-// the partials of every row whose keys reach t0.
+// the partials of every row whose keys reach t0. The chunk's K and V rows are turned into floats
+// once (kvf), then each (row, query head) runs over them with its sums in registers, its scores 16
+// keys at a time (reduce_add16), the weighted values of up to 4 heads at once (independent FMA
+// chains); per score and per output lane the same operations in the same order as row_chunk, so a
+// row's result is bit for bit that of the row alone.
 template <int NV, typename C>
 void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table, const int64_t* seq_lens,
                     int64_t b0, int64_t R, int64_t h, int64_t H, int64_t G, int64_t row, int64_t BS, int64_t t0,
                     float scale, Partials& part, std::vector<float>& scores, std::vector<__m512>& qbuf,
-                    std::vector<__m512>& abuf) {
+                    std::vector<float>& kvf) {
   constexpr int64_t D = 16 * NV;
   const int64_t Hkv = row / D;
   const int64_t L0 = seq_lens[b0], Lmax = seq_lens[b0 + R - 1];
@@ -172,55 +217,65 @@ void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* 
   const int64_t t1 = std::min(t0 + kKeyChunk, Lmax);
   const int64_t r0 = std::max<int64_t>(0, t0 - L0 + 1);  // rows before r0 end before t0
   qbuf.resize(R * G * NV);
-  abuf.assign(R * G * NV, _mm512_setzero_ps());
   scores.resize(R * G * CH);
+  kvf.resize(2 * CH * D);
+  float* kf = kvf.data();
+  float* vf = kf + CH * D;
   for (int64_t r = r0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g)
       for (int j = 0; j < NV; ++j)
         qbuf[(r * G + g) * NV + j] =
             _mm512_mul_ps(bf16x16_to_f32(q + ((b0 + r) * H + h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
   const int64_t nblocks = (Lmax + BS - 1) / BS;
-  auto prefetch_next = [&](const C* cache, int64_t t) {
-    if ((t % BS == 0 || t == t0) && t / BS + 1 < nblocks)
-      prefetch_block(cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * sizeof(C));
+  auto to_floats = [&](const C* cache, const float* scales, float* dst) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if ((t % BS == 0 || t == t0) && t / BS + 1 < nblocks)
+        prefetch_block(cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * sizeof(C));
+      const C* src = token_row(cache, table, t, BS, row, h, D);
+      const float s = token_scale<C>(scales, table, t, BS, Hkv, h);
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(dst + (t - t0) * D + 16 * j, kv16(src + 16 * j, s));
+    }
   };
-  for (int64_t t = t0; t < t1; ++t) {
-    prefetch_next(kv.k, t);
-    const C* k = token_row(kv.k, table, t, BS, row, h, D);
-    __m512 kx[NV];
-    const float ks = token_scale<C>(kv.ks, table, t, BS, Hkv, h);
-    for (int j = 0; j < NV; ++j) kx[j] = kv16(k + 16 * j, ks);
-    for (int64_t r = std::max(r0, t - L0 + 1); r < R; ++r)  // rows whose keys reach t
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512* qv = &qbuf[(r * G + g) * NV];
-        __m512 acc = _mm512_mul_ps(qv[0], kx[0]);
-        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[j], kx[j], acc);
-        scores[(r * G + g) * CH + t - t0] = _mm512_reduce_add_ps(acc);
-      }
-  }
-  for (int64_t r = r0; r < R; ++r)
+  to_floats(kv.k, kv.ks, kf);
+  to_floats(kv.v, kv.vs, vf);
+  for (int64_t r = r0; r < R; ++r) {
+    const int64_t n = std::min(t1, L0 + r) - t0;  // the keys this row reaches
     for (int64_t g = 0; g < G; ++g) {
+      const __m512* qv = &qbuf[(r * G + g) * NV];
+      float* sc = &scores[(r * G + g) * CH];
+      auto dot = [&](int64_t t) {
+        const float* k = kf + t * D;
+        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + 16 * j), acc);
+        return acc;
+      };
+      int64_t t = 0;
+      for (; t + 16 <= n; t += 16) {
+        __m512 a[16];
+        for (int j = 0; j < 16; ++j) a[slot16(j)] = dot(t + j);
+        _mm512_storeu_ps(sc + t, reduce_add16(a));
+      }
+      for (; t < n; ++t) sc[t] = _mm512_reduce_add_ps(dot(t));
       float* p = part.at(b0 + r, h * G + g, t0 / kKeyChunk);
-      p[1] = softmax_partial(&scores[(r * G + g) * CH], std::min(t1, L0 + r) - t0, p[0]);
+      p[1] = softmax_partial(sc, n, p[0]);
     }
-  for (int64_t t = t0; t < t1; ++t) {
-    prefetch_next(kv.v, t);
-    const C* v = token_row(kv.v, table, t, BS, row, h, D);
-    __m512 vv[NV];
-    const float vs = token_scale<C>(kv.vs, table, t, BS, Hkv, h);
-    for (int j = 0; j < NV; ++j) vv[j] = kv16(v + 16 * j, vs);
-    for (int64_t r = std::max(r0, t - L0 + 1); r < R; ++r)
-      for (int64_t g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[(r * G + g) * CH + t - t0]);
-        __m512* acc = &abuf[(r * G + g) * NV];
-        for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(p, vv[j], acc[j]);
+    constexpr int64_t kHeads = NV == 4 ? 4 : 2;
+    for (int64_t g = 0; g < G; g += kHeads) {
+      const float* sc[kHeads];
+      float* outp[kHeads];
+      const int64_t nh = std::min(kHeads, G - g);
+      for (int64_t i = 0; i < nh; ++i) {
+        sc[i] = &scores[(r * G + g + i) * CH];
+        outp[i] = part.at(b0 + r, h * G + g + i, t0 / kKeyChunk) + 2;
       }
-  }
-  for (int64_t r = r0; r < R; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      float* p = part.at(b0 + r, h * G + g, t0 / kKeyChunk) + 2;
-      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(p + 16 * j, abuf[(r * G + g) * NV + j]);
+      switch (nh) {
+        case 1: weighted_values<NV, 1>(vf, sc, n, outp); break;
+        case 2: weighted_values<NV, 2>(vf, sc, n, outp); break;
+        case 3: if constexpr (kHeads >= 3) weighted_values<NV, 3>(vf, sc, n, outp); break;
+        default: if constexpr (kHeads >= 4) weighted_values<NV, 4>(vf, sc, n, outp); break;
+      }
     }
+  }
 }
 
 // out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c over the row's chunks, in chunk order
@@ -261,7 +316,8 @@ void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const Pag
   for (int64_t i = 0; i < B * Hkv; ++i) done[i].store(0, std::memory_order_relaxed);
   at::parallel_for(0, task_start.back(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    std::vector<__m512> qbuf, abuf;
+    std::vector<float> kvf;
+    std::vector<__m512> qbuf;
     size_t ri = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_start[ri + 1]) ++ri;
@@ -287,7 +343,7 @@ void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const Pag
         }
       } else {
         chunk_partials<NV, C>(q, kv, table, seq_lens, b, b_end - b, h, H, G, row, BS, t0, scale, part, scores, qbuf,
-                              abuf);
+                              kvf);
       }
       for (int64_t r = std::max<int64_t>(b, b + t0 - seq_lens[b] + 1); r < b_end; ++r) {
         const int64_t n = key_chunks(seq_lens[r]);
