@@ -217,7 +217,8 @@ class Scheduler:
         if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
             return []
         room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
-        if self.spec_policy is not None:  # how far: the length with the most tokens per measured second
+        if self.spec_policy is not None and req.params.seed is None:  # how far (a seeded request's random
+            # stream follows its drafts: it verifies them all, in any batch)
             room = min(room, self.spec_policy.draft_length(len(self.running), len(req.spec_token_ids)))
         return req.spec_token_ids[:max(room, 0)]
 
