@@ -29,7 +29,8 @@ LIBRARIES = {"quant": ([_CSRC / "quant_gemm.cpp", _CSRC / "quant_gemm_rows.cpp",
                        "tokenmill_q"),
              "quant_kv": ([_CSRC / "quant_kv.cpp"], "tokenmill_qkv")}
 SOURCES = [src for sources, _ in LIBRARIES.values() for src in sources]
-HEADERS = (_CSRC / "quant_blocks.h", _CSRC / "quant_x8.h", _CSRC / "quant_act.h")
+HEADERS = (_CSRC / "quant_blocks.h", _CSRC / "quant_x8.h", _CSRC / "quant_act.h",
+           _CSRC / "quant_dequant.h")
 # variant -> compiler flags; the ISA level each variant needs
 VARIANT_FLAGS = {
     "scalar": [],

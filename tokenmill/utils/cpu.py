@@ -26,15 +26,25 @@ _ONEDNN_ISA = {"scalar": "SSE41", "avx2": "AVX2", "avx512": "AVX512_CORE", "avx5
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo_field(name: str) -> str:
+    """The first value of a /proc/cpuinfo field ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == name:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """GenuineIntel, AuthenticAMD, ... (kernels' speeds differ between vendors at one ISA level)."""
+    return _cpuinfo_field("vendor_id")
 
 
 def hardware_isa() -> str:
@@ -83,14 +93,6 @@ def has_fast_bf16() -> bool:
 
 def describe() -> str:
     """For logs and benchmark records: CPU model and the ISA level in use."""
-    model = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    model = _cpuinfo_field("model name") or "unknown CPU"
     hw, act = hardware_isa(), active_isa()
     return f"{model}, ISA {act}" + ("" if act == hw else f" (capped from {hw})")

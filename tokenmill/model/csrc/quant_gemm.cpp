@@ -24,38 +24,12 @@
 #include <vector>
 
 #include "quant_act.h"
+#include "quant_dequant.h"
 
 namespace {
 
 using namespace tmq;
 using namespace TM_QUANT_NS;
-
-// Rows [r0, r1) of a packed weight as floats (dst row stride K).
-template <typename T>
-void dequant_rows(const uint8_t* w, int qtype, int64_t K, int64_t r0, int64_t r1, T* dst) {
-  const X8Geom g = x8_geom(qtype);
-  const int64_t gb = x8_group_bytes(qtype, K), C = K / 32;
-  const int cpb = g.qk / 32;
-  uint8_t u[8][32];
-  for (int64_t gi = r0 / 8; gi * 8 < r1; ++gi) {
-    const uint8_t* group = w + gi * gb;
-    for (int64_t c = 0; c < C; ++c) {
-      X8Scales s;
-      x8_chunk_scales(qtype, group, g, c, s);
-      x8_chunk_bytes(x8_block(group, g, c / cpb) + g.block_head + (c % cpb) * g.body, g, u);
-      for (int r = 0; r < 8; ++r) {
-        const int64_t n = gi * 8 + r;
-        if (n < r0 || n >= r1) continue;
-        T* o = dst + (n - r0) * K + c * 32;
-        for (int e = 0; e < 32; ++e) {
-          const int h = e >> 4;
-          const float q = x8_signed(qtype) ? static_cast<float>(static_cast<int8_t>(u[r][e])) : static_cast<float>(u[r][e]);
-          o[e] = static_cast<T>(s.d[r][h] * q + s.off[r][h]);
-        }
-      }
-    }
-  }
-}
 
 struct Shard {
   const uint8_t* w;

@@ -22,7 +22,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.model.layers.quantization.base import LinearMethod
 from tokenmill.model.layers.quantization.formats import BY_ID, row_bytes
 from tokenmill.model.quant_kernels import quant_ops
-from tokenmill.utils.cpu import active_isa
+from tokenmill.utils.cpu import active_isa, cpu_vendor
 
 # measured crossovers (rows) per ISA level: see BENCHMARKS.md, "Quantized GEMM crossover".
 # avx512_bf16 (a Xeon without AMX, 2026-11-22): the packed kernel is faster than dequant+GEMM, and
@@ -32,11 +32,18 @@ from tokenmill.utils.cpu import active_isa
 # 2026-11-23): dequant+GEMM wins from 128 rows on three of four shapes (256 on the fourth).
 # scalar, amx: not re-measured since the x8 layout and the 16-row AVX-512 kernel.
 DENSE_MIN_ROWS: dict[str, int | None] = {"scalar": 1, "avx2": 128, "avx512": None, "avx512_bf16": None, "amx": 16}
+# CPU kinds whose crossover differs from their level's. AMD EPYC (Zen 5) with AVX512-BF16 and no AMX
+# (2026-11-25): its oneDNN bf16 GEMM runs 1.4-2x the packed kernel's rate from 64 rows, and with the
+# SIMD dequantization (quant_dequant.h) dequant+GEMM wins from 128 rows on three of four shapes
+# (256 on Qwen-1.5B's gate_up, within 8% at 128), by up to 1.6x at 512.
+DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", "avx512_bf16"): 128}
 
 
 def default_dense_min_rows() -> int:
-    """The active ISA's crossover; 0: never dequantize (what qlinear takes as "no dense path")."""
-    return DENSE_MIN_ROWS[active_isa()] or 0
+    """The active ISA's crossover on this CPU kind; 0: never dequantize (what qlinear takes as "no
+    dense path")."""
+    level = active_isa()
+    return DENSE_MIN_ROWS_BY_VENDOR.get((cpu_vendor(), level), DENSE_MIN_ROWS[level]) or 0
 
 
 class PackedLinearMethod(LinearMethod):
