@@ -7,6 +7,7 @@ every call reads DRAM), one activation row per call, and reports GB/s of weight 
 reference, the same copies summed by torch (a plain streaming read) in the same run.
 
     python benchmarks/quant_gemv_bandwidth.py [--shapes qwen1.5b gate_up,qwen1.5b down] [--gib 1.5]
+    python benchmarks/quant_gemv_bandwidth.py --prefetch 1024,4096   # distances side by side, alternating
 """
 
 from __future__ import annotations
@@ -47,12 +48,17 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.5, help="total bytes of the copies cycled through")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--act-bits", type=int, default=16)
+    ap.add_argument("--prefetch", default="", help="comma-separated prefetch distances (bytes) to compare, "
+                    "each timed in turn within every round (default: the one set for this CPU)")
     args = ap.parse_args()
     ops = quant_ops()
+    dists = [int(d) for d in args.prefetch.split(",") if d]
     rng = np.random.default_rng(0)
     print(f"{describe()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
-    print("| shape | copies x MiB | packed GEMV GB/s (DRAM) | same matrix again GB/s (cache) | torch.sum GB/s (DRAM) |")
-    print("|---|---|---|---|---|")
+    cols = [f"prefetch {d}" for d in dists] or ["packed GEMV"]
+    print(f"| shape | copies x MiB | {' | '.join(c + ' GB/s (DRAM)' for c in cols)} | same matrix again GB/s (cache) "
+          f"| torch.sum GB/s (DRAM) |")
+    print("|---|---|" + "---|" * (len(cols) + 2))
     for name in args.shapes.split(","):
         fmt, n, k = SHAPES[name]
         qt = FORMATS[fmt].id
@@ -65,11 +71,17 @@ def main() -> None:
         def gemv(wc, out=out, x=x, qt=qt, n=n):
             ops.qlinear(out, x, [wc], [qt], [n], None, 0, args.act_bits)
 
-        cold = best_rate(gemv, copies, w.numel(), args.rounds)
+        cold = {d: 0.0 for d in dists or [None]}
+        for _ in range(args.rounds):  # distances interleaved, so that a change of load hits all alike
+            for d in cold:
+                if d is not None:
+                    ops.set_prefetch_ahead(d)
+                cold[d] = max(cold[d], best_rate(gemv, copies, w.numel(), 1))
         hot = best_rate(gemv, [w] * count, w.numel(), args.rounds)
         as_u64 = [c.view(torch.int64) for c in copies]  # sum over 8-byte words: a read-bound pass
         stream = best_rate(lambda c: c.sum(), as_u64, w.numel(), args.rounds)
-        print(f"| {name} ({fmt} {n}x{k}) | {count} x {w.numel() / 2**20:.1f} | {cold:.1f} | {hot:.1f} | "
+        rates = " | ".join(f"{r:.1f}" for r in cold.values())
+        print(f"| {name} ({fmt} {n}x{k}) | {count} x {w.numel() / 2**20:.1f} | {rates} | {hot:.1f} | "
               f"{stream:.1f} |", flush=True)
         del copies, as_u64
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.utils.cpu import ISA_LEVELS, active_isa, hardware_isa
+from tokenmill.utils.cpu import ISA_LEVELS, active_isa, cpu_vendor, hardware_isa
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,10 @@ VARIANT_FLAGS = {
     "avx512_vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                     "-mavx512vnni", "-mavx512bf16"],
 }
+# Bytes the packed GEMV prefetches each weight stream ahead, per CPU vendor (others: 1 KiB, the best
+# on a Xeon): an AMD EPYC streams Qwen-1.5B's layers from DRAM 1.3-1.5x faster at 4 KiB than at 1
+# (benchmarks/quant_gemv_bandwidth.py; BENCHMARKS.md, issue 8).
+PREFETCH_AHEAD = {"AuthenticAMD": 4096}
 _LEVEL_VARIANT = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512_vnni",
                   "amx": "avx512_vnni"}
 _lock = threading.Lock()
@@ -76,6 +80,8 @@ def _library(kind: str, variant: str | None):
                 raise RuntimeError(f"tokenmill's quantized kernels ({kind}, {variant}) could not be built: "
                                    f"{type(e).__name__}: {build_error_line(e)}") from e
             _loaded[ns] = getattr(torch.ops, ns)
+            if kind == "quant":
+                _loaded[ns].set_prefetch_ahead(PREFETCH_AHEAD.get(cpu_vendor(), 1024))
         return _loaded[ns]
 
 

@@ -247,6 +247,7 @@ struct Ahead {
   const uint8_t *n0, *n1;
 };
 void pack_tile(const ActRow* a, int mr, int64_t K, bool fine, uint8_t* dst);
+void set_prefetch_ahead(int64_t bytes);  // the streaming (first) row tile's prefetch distance
 bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile, int mr, bool fine,
               const Ahead& pf, float out[][16]);
 

@@ -162,8 +162,9 @@ __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const 
 
 // Bytes each weight stream is prefetched ahead of the chunk being read. Without it the kernel is
 // latency-bound on DRAM (the hardware prefetcher alone streamed ~9-10 GB/s where a plain read runs
-// ~17 GB/s); 1 KiB was the best of 1, 2 and 4 KiB on Qwen's layers (BENCHMARKS.md, issue 8).
-constexpr int64_t kPrefetchAhead = 1024;
+// ~17 GB/s). The best distance depends on the CPU kind (quant_kernels.py sets it at load: 1 KiB on
+// a Xeon, 4 KiB on an AMD EPYC; BENCHMARKS.md, issue 8).
+int64_t g_prefetch_ahead = 1024;
 
 template <int QT, int MR, bool RES>
 void pair_dot_t(const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile, const Ahead& pf,
@@ -175,7 +176,7 @@ void pair_dot_t(const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* 
   constexpr int CB = tile_code_bytes(RES);
   constexpr int64_t CS = MR * (CB + 16);  // tile bytes per chunk
   const int64_t C = K / 32, nb = K / g.qk, blk = g.block_head + cpb * g.body;
-  const int64_t dist = pf.gb ? std::min(kPrefetchAhead, pf.gb) : 0, step = pf.gb / C;
+  const int64_t dist = pf.gb ? std::min(g_prefetch_ahead, pf.gb) : 0, step = pf.gb / C;
   int64_t pos = dist;  // next byte offset (in each group) to prefetch
   __m512 acc[MR], aco[MR];
   for (int m = 0; m < MR; ++m) acc[m] = aco[m] = _mm512_setzero_ps();
@@ -220,6 +221,8 @@ void pair_dot_t(const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* 
 
 }  // namespace
 
+void set_prefetch_ahead(int64_t bytes) { g_prefetch_ahead = std::max<int64_t>(bytes, 0) / 64 * 64; }
+
 void pack_tile(const ActRow* a, int mr, int64_t K, bool fine, uint8_t* dst) {
   const int CB = tile_code_bytes(fine);
   for (int64_t c = 0; c < K / 32; ++c) {
@@ -260,6 +263,8 @@ bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const 
 }
 
 #else
+
+void set_prefetch_ahead(int64_t) {}
 
 void pack_tile(const ActRow*, int, int64_t, bool, uint8_t*) {}
 
