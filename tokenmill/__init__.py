@@ -1,5 +1,13 @@
 """tokenmill: an LLM inference engine and OpenAI-compatible server."""
 
+import os
+
+# Allocations of 2 MiB and more (weights, KV cache) in transparent huge pages, as PyTorch's CPU
+# allocator does when asked: a decode step streams every weight, and with 4 KiB pages the TLB misses
+# cost the packed GEMV 7-18% of its bandwidth (BENCHMARKS.md, issue 8). torch reads it at its first
+# allocation, so it is set before anything here imports torch; a value the user set is kept.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 from tokenmill.config import EngineConfig
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
