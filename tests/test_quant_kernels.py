@@ -113,6 +113,45 @@ def test_many_rows_go_through_the_dense_gemm(variant, dtype):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", GGUF_TYPES + OWN_TYPES)
+def test_dequantize_to_bf16_rounds_each_float_to_nearest_even(variant, name):
+    """The bf16 slabs of the many-row path: each weight as its float value rounded to nearest even,
+    rows of a partial last group and a slice of rows starting inside a group included."""
+    rows, k = 37, 512
+    packed = _packed(variant, name, random_blocks(name, rows, k, np.random.default_rng(7)))
+    ops, qt = quant_ops(variant), FORMATS[name].id
+    f32, b16 = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.bfloat16)
+    ops.dequantize(f32, packed, qt, k)
+    ops.dequantize(b16, packed, qt, k)
+    assert torch.equal(b16.view(torch.int16), f32.bfloat16().view(torch.int16))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefetch_distance_changes_no_result(variant):
+    """The one-row kernel's prefetch distance (set per CPU vendor at load) only moves reads earlier."""
+    from tokenmill.model.quant_kernels import prefetch_ahead
+
+    rows, k = 72, 1536
+    rng = np.random.default_rng(8)
+    w = random_blocks("Q4_K", rows, k, rng)
+    ops, qt = quant_ops(variant), FORMATS["Q4_K"].id
+    packed = _packed(variant, "Q4_K", w)
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    outs = []
+    try:
+        for dist in (0, 64, 1024, 4096, 1 << 20):
+            ops.set_prefetch_ahead(dist)
+            for m in (1, 3):
+                out = torch.empty(m, rows)
+                ops.qlinear(out, x[:m], [packed], [qt], [rows], None, 0, 16)
+                outs.append(out)
+    finally:
+        ops.set_prefetch_ahead(prefetch_ahead())
+    for i, out in enumerate(outs):
+        assert torch.equal(out, outs[i % 2]), i
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_embedding_rows(variant):
     k, vocab = 256, 50
     w = random_blocks("Q6_K", vocab, k, np.random.default_rng(6))

@@ -49,6 +49,11 @@ _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
 
+def prefetch_ahead() -> int:
+    """The packed GEMV's prefetch distance for this CPU (bytes)."""
+    return PREFETCH_AHEAD.get(cpu_vendor(), 1024)
+
+
 def variant_for(level: str) -> str:
     return _LEVEL_VARIANT[level]
 
@@ -81,7 +86,7 @@ def _library(kind: str, variant: str | None):
                                    f"{type(e).__name__}: {build_error_line(e)}") from e
             _loaded[ns] = getattr(torch.ops, ns)
             if kind == "quant":
-                _loaded[ns].set_prefetch_ahead(PREFETCH_AHEAD.get(cpu_vendor(), 1024))
+                _loaded[ns].set_prefetch_ahead(prefetch_ahead())
         return _loaded[ns]
 
 
