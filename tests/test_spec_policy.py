@@ -118,3 +118,23 @@ def test_draft_length_is_shorter_when_drafts_are_mostly_rejected():
         n = p.draft_length(1, 8)
         p.observe(1, n > 0, (6 + 3 * n) / 1e3, 1 + min(n, 1), 1 + n, n)  # only the first draft is ever kept
     assert p.draft_length(1, 8) <= 2
+
+
+def test_draft_length_costs_are_forgotten_with_the_request_that_measured_them():
+    """A long request makes long verifications expensive (attention over its context); the next,
+    short request must measure them again rather than inherit the verdict."""
+    p = SpecPolicy()
+    late = {q: 6 + 9 * q for q in range(1, 10)}  # late in a long request: each extra row is costly
+    for _ in range(30):
+        n = p.draft_length(1, 8)
+        p.speculate(1, admitted=(0, 0))
+        p.observe(1, n > 0, late[1 + n] / 1e3, 1 + min(n, 2), 1 + n, n)  # two drafts kept at most
+    assert p.draft_length(1, 8) < 8
+    p.speculate(1, admitted=(1, 1))  # request 0 finished: a new one, short
+    assert p.draft_length(1, 8) == 8  # measured again, from the full length
+    early = {q: 6 + 0.5 * q for q in range(1, 10)}
+    for _ in range(20):
+        n = p.draft_length(1, 8)
+        p.speculate(1, admitted=(1, 1))
+        p.observe(1, n > 0, early[1 + n] / 1e3, 1 + n, 1 + n, n)  # every draft kept
+    assert p.draft_length(1, 8) == 8

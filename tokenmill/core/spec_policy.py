@@ -36,7 +36,10 @@ packed kernels work in tiles of 8 activation rows: on a 2-core Xeon 16 rows of S
 expected tokens per second of step: tokens 1 + a(1 - a^n)/(1 - a) for n drafts, with a the measured
 per-draft acceptance, over the measured step time at 1 + n rows (the whole engine step). A size not
 measured yet is taken to cost what the next smaller measured one does, so it is tried (once) where
-it could pay. With several requests running, their drafts are not cut.
+it could pay. With several requests running, their drafts are not cut. The step costs are
+forgotten with the one-stream bucket (each new request, at one stream): a verification's cost grows
+with the context, so a size measured expensive late in a long request and never chosen again would
+otherwise stay ruled out for every later, shorter one. The acceptance estimate is kept.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class DraftLength:
             accepted = min(num_tokens - 1, num_drafts)
             self.kept = self.decay * self.kept + accepted
             self.trials = self.decay * self.trials + accepted + (accepted < num_drafts)
+
+    def forget_costs(self) -> None:
+        self.cost.clear()
 
     def best(self, offered: int) -> int:
         """How many of `offered` drafts to verify."""
@@ -111,6 +117,8 @@ class SpecPolicy:
                 d.pop(b, None)
             for on in (True, False):
                 self.rate.pop((b, on), None)
+            if b == self.bucket(1):
+                self.length.forget_costs()
 
     def speculate(self, num_running: int, prefill_pending: bool = False,
                   admitted: tuple[int, int] = (0, 0)) -> bool:
