@@ -20,6 +20,7 @@ import torch
 from tokenmill.model.layers.quantization.formats import FORMATS, random_blocks
 from tokenmill.model.quant_kernels import quant_ops
 from tokenmill.utils.cpu import describe
+from tokenmill.worker.cpu_env import configure_cpu
 
 SHAPES = {  # name: (format, N, K)
     "smollm2 gate_up": ("Q4_1", 3072, 576),
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
+    configure_cpu(None)  # the engine's allocator settings: the many-row path's slab buffer is reused
     ops = quant_ops()
     rng = np.random.default_rng(0)
     print(f"{describe()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")

@@ -167,7 +167,7 @@ __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const 
 int64_t g_prefetch_ahead = 1024;
 
 template <int QT, int MR, bool RES>
-void pair_dot_t(const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile, const Ahead& pf,
+__attribute__((noinline)) void pair_dot_t(const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile, const Ahead& pf,
                 float out[][16]) {
   constexpr bool kSigned = kSignedQ<QT>;
   constexpr bool kTwo = QT == Q6_K;
