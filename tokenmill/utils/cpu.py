@@ -38,6 +38,7 @@ def _cpuinfo_field(name: str) -> str:
     return ""
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo_field("flags").split())
 

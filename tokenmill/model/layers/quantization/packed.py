@@ -33,7 +33,7 @@ from tokenmill.utils.cpu import active_isa, cpu_vendor
 # scalar, amx: not re-measured since the x8 layout and the 16-row AVX-512 kernel.
 DENSE_MIN_ROWS: dict[str, int | None] = {"scalar": 1, "avx2": 128, "avx512": None, "avx512_bf16": None, "amx": 16}
 # CPU kinds whose crossover differs from their level's. AMD EPYC (Zen 5) with AVX512-BF16 and no AMX
-# (2026-11-25): its oneDNN bf16 GEMM runs 1.4-2x the packed kernel's rate from 64 rows, and with the
+# (2026-11-25): its oneDNN bf16 GEMM runs 1.2-2x the packed kernel's rate from 64 rows, and with the
 # SIMD dequantization (quant_dequant.h) dequant+GEMM wins from 128 rows on three of four shapes
 # (256 on Qwen-1.5B's gate_up, within 8% at 128), by up to 1.6x at 512.
 DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", "avx512_bf16"): 128}
