@@ -166,9 +166,11 @@ __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const 
 // a Xeon, 4 KiB on an AMD EPYC; BENCHMARKS.md, issue 8).
 int64_t g_prefetch_ahead = 1024;
 
+// Never inlined: GCC inlined some instances (Q4_1, Q5_0, Q8_0) into pair_dot's dispatch and compiled
+// them 3-4x slower than the rest (BENCHMARKS.md, "On an AMD EPYC").
 template <int QT, int MR, bool RES>
-__attribute__((noinline)) void pair_dot_t(const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile, const Ahead& pf,
-                float out[][16]) {
+__attribute__((noinline)) void pair_dot_t(const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile,
+                                          const Ahead& pf, float out[][16]) {
   constexpr bool kSigned = kSignedQ<QT>;
   constexpr bool kTwo = QT == Q6_K;
   constexpr X8Geom g = x8_geom(QT);
