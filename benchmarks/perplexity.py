@@ -7,7 +7,7 @@ Each row is one measurement (an engine built, the text scored through prompt log
 of 1024 tokens, prefilled in chunks of 128). `--only` takes groups (gguf, kv, int) or row names
 (`--list` prints them); with `--results`, every measurement is saved as it ends and the table is
 made from all saved ones, so a long table can be measured in several short runs.
-- gguf: the GGUF in its own types (fp32 and bf16 activations, 16- and 8-bit activation codes) vs
+- gguf: the GGUF in its own types (fp32 and bf16 activations, 16-, 8-bit and auto activation codes) vs
   the same GGUF dequantized to fp32 at load (`--quantization none`);
 - kv: the native GGUF with an int8 / fp8 KV cache vs a bf16 KV cache;
 - int: --quantization int8 / int4 (g32, g128) of a Hugging Face folder holding the GGUF's weights
@@ -49,9 +49,11 @@ INT_REF = ("int-ref", "fp32 folder", 1.0)
 ROWS = {
     "gguf-ref": ("gguf", "GGUF dequantized to fp32 at load", None, dict(quantization="none", dtype="float32")),
     "gguf-fp32": ("gguf", "gguf native, fp32 activations", GGUF_REF,
-                  dict(quantization="gguf", dtype="float32", **DECODE_PATH)),
+                  dict(quantization="gguf", dtype="float32", quant_act_bits=16, **DECODE_PATH)),
     "gguf-bf16": ("gguf", "gguf native, bf16 activations", GGUF_REF,
-                  dict(quantization="gguf", dtype="bfloat16", **DECODE_PATH)),
+                  dict(quantization="gguf", dtype="bfloat16", quant_act_bits=16, **DECODE_PATH)),
+    "gguf-bf16-auto": ("gguf", "gguf native, bf16, --quant-act-bits auto (the default)", GGUF_REF,
+                       dict(quantization="gguf", dtype="bfloat16", **DECODE_PATH)),
     "gguf-act8": ("gguf", "gguf native, fp32, --quant-act-bits 8", GGUF_REF,
                   dict(quantization="gguf", dtype="float32", quant_act_bits=8, **DECODE_PATH)),
     "gguf-bf16-act8": ("gguf", "gguf native, bf16, --quant-act-bits 8", GGUF_REF,

@@ -100,7 +100,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--draft-k", type=int, default=None, help="the draft model's (default: --k)")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quant-act-bits", type=int, default=16, help="the target's packed-kernel activation codes")
+    ap.add_argument("--quant-act-bits", default="auto", help="the target's packed-kernel activation codes: "
+                    "auto (the engine's default), 8 or 16")
     ap.add_argument("--streams", type=int, default=2, help="requests of the one-stream point (concurrency 1)")
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--output-len", type=int, default=128)

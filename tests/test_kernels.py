@@ -105,6 +105,26 @@ def test_verification_rows_equal_rows_alone(dtype, head_dim, heads, kv_heads):
     _rows_alone_and_sdpa(out, q, k_cache, v_cache, tables, lens, dtype)
 
 
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 12, 2)])
+def test_prefill_rows_equal_rows_alone(head_dim, heads, kv_heads):
+    """A prompt's tokens as rows of one table (lengths 1..L; the backend's paged prefill): past a few
+    MiB of partials each (run, kv head) becomes one task over all its key chunks, with a buffer
+    of its own; every row is still bit for bit the row alone, and matches SDPA (a sample of rows)."""
+    torch.manual_seed(4)
+    block_size, num_blocks, length = 16, 64, 700
+    dtype = torch.bfloat16
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    table = torch.randperm(num_blocks)[:-(-length // block_size)]
+    lens = list(range(1, length + 1))
+    tables = table.repeat(length, 1)
+    q = torch.randn(length, heads, head_dim, dtype=dtype)
+    out = torch.empty_like(q)
+    torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125)
+    rows = [0, 1, 15, 16, 63, 64, 65, 300, 511, 698, 699]
+    _rows_alone_and_sdpa(out[rows], q[rows], k_cache, v_cache, tables[rows], [lens[i] for i in rows], dtype)
+
+
 def _rows_alone_and_sdpa(out, q, k_cache, v_cache, tables, lens, dtype):
     """Each row of a batched result is bit for bit the row run alone, and matches SDPA."""
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]

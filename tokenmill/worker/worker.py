@@ -92,6 +92,8 @@ class Worker:
         quant_desc = quant_config.describe() if quant_config is not None else "none"
         # the CPU attention kernel comes with fused norm / SiLU / rotary kernels from the same build
         self.fused_ops = self.backend.name == "cpu_paged" and self.model.use_cpu_kernels()
+        if self.backend.name == "cpu_paged":
+            self.backend.enable_paged_prefill(self.dtype)
         if config.kernel.batch_invariant:
             if self.backend.name != "cpu_paged":
                 raise ConfigError("batch_invariant needs the cpu_paged attention backend (CPU, C++ kernels)",

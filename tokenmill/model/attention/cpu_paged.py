@@ -1,6 +1,8 @@
 """CPU backend: decode attention reads K/V in place from the paged cache with a C++ kernel
-(no gather copy; 2.5-3x faster than gather + SDPA at 64 sequences, see csrc/); prefill chunks
-use SDPA as in the portable backend.
+(no gather copy; 2.5-3x faster than gather + SDPA at 64 sequences, see csrc/). Prompt tokens go
+through the same kernel where it measured faster than SDPA's flash attention (`paged_prefill`:
+bf16 on AVX-512 without AMX, each token a row over the keys up to itself: 1.2-1.9x SDPA from 128 to
+4096 tokens on an AMD EPYC, BENCHMARKS.md); elsewhere they use SDPA as in the portable backend.
 
 In batch-invariant mode (`per_row`), every token, prompt tokens included, goes through the decode
 kernel as its own query over the keys before it: its result then depends on nothing but its own
@@ -24,9 +26,15 @@ class PagedDecodes:
     seq_lens: torch.Tensor  # [num_decodes] int64
 
 
+# ISA levels where the decode kernel runs prompts too. AMX is left to SDPA (not measured: its bf16
+# GEMMs may use the tiles).
+PAGED_PREFILL_ISAS = ("avx512", "avx512_bf16")
+
+
 class CPUPagedBackend(TorchSDPABackend):
     name = "cpu_paged"
     per_row = False  # batch-invariant mode
+    paged_prefill = False  # prompt tokens through the decode kernel too (see the module's docstring)
 
     @staticmethod
     def available(device: torch.device, head_dim: int) -> bool:
@@ -34,15 +42,25 @@ class CPUPagedBackend(TorchSDPABackend):
 
         return device.type == "cpu" and head_dim % 32 == 0 and load_cpu_kernels()
 
+    def enable_paged_prefill(self, dtype: torch.dtype) -> bool:
+        from tokenmill.utils.cpu import active_isa
+
+        self.paged_prefill = dtype == torch.bfloat16 and active_isa() in PAGED_PREFILL_ISAS
+        return self.paged_prefill
+
     def build_metadata(self, layout: BatchLayout) -> SDPAMetadata:
-        if not self.per_row:
+        has_prefill = layout.num_decodes < len(layout.query_lens)
+        if not (self.per_row or (self.paged_prefill and has_prefill)):
             return super().build_metadata(layout)
-        tables, lens = [], []
-        for q_len, ctx, table in zip(layout.query_lens, layout.seq_lens, layout.block_tables):
-            for i in range(ctx - q_len + 1, ctx + 1):  # each token sees the keys up to itself
-                tables.append(table)
-                lens.append(i)
-        return SDPAMetadata(layout.slot_mapping, len(lens), self._decode_metadata(tables, lens), [])
+        bs = self.block_size
+        lens = torch.cat([torch.arange(ctx - q + 1, ctx + 1) for q, ctx in zip(layout.query_lens, layout.seq_lens)])
+        tables = torch.zeros(len(lens), (max(layout.seq_lens) + bs - 1) // bs, dtype=torch.long)
+        row = 0
+        for q, ctx, table in zip(layout.query_lens, layout.seq_lens, layout.block_tables):
+            nb = (ctx + bs - 1) // bs  # each token sees the keys up to itself, in its sequence's blocks
+            tables[row:row + q, :nb] = torch.tensor(table[:nb], dtype=torch.long)
+            row += q
+        return SDPAMetadata(layout.slot_mapping, len(lens), PagedDecodes(tables, lens), [])
 
     def _decode_metadata(self, tables: list[list[int]], lens: list[int]) -> PagedDecodes:
         return PagedDecodes(padded_block_table(tables, lens, self.block_size), torch.tensor(lens, dtype=torch.long))

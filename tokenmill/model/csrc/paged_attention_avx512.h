@@ -108,11 +108,13 @@ std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* tables, const i
 }
 
 // One partial: [m, l, acc[D]] per (row, query head, chunk of the row).
+// A buffer of them for every row and head, or (base, hq0) for the rows of one run and the H heads
+// from hq0 (a task's own, see decode_attention_avx512). Not zeroed: each is written before it is read.
 struct Partials {
-  std::vector<float> buf;
-  std::vector<int64_t> first;  // row -> index of its first chunk
-  int64_t H, stride;
-  float* at(int64_t b, int64_t hq, int64_t c) { return buf.data() + ((first[b] + c) * H + hq) * stride; }
+  float* buf;
+  const int64_t* first;  // row -> index of its first chunk
+  int64_t H, stride, base = 0, hq0 = 0;
+  float* at(int64_t b, int64_t hq, int64_t c) { return buf + ((first[b] - base + c) * H + hq - hq0) * stride; }
 };
 
 // chunk_partials below for one row (a plain decode) with G known: q and the sums stay in registers;
@@ -307,9 +309,62 @@ void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const Pag
   const int64_t G = H / Hkv;
   const int64_t row = Hkv * D;
   const auto runs = row_runs(block_tables, seq_lens, B, max_blocks, BS, Hkv, 2 * at::get_num_threads());
-  Partials part{{}, std::vector<int64_t>(B + 1, 0), H, D + 2};
-  for (int64_t b = 0; b < B; ++b) part.first[b + 1] = part.first[b] + key_chunks(seq_lens[b]);
-  part.buf.resize(part.first[B] * H * part.stride);
+  std::vector<int64_t> first(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + key_chunks(seq_lens[b]);
+  const int64_t stride = D + 2;
+  // one (row run, kv head, chunk) and its partials: `part` is this run's own or the shared buffer
+  auto chunk = [&](int64_t b, int64_t b_end, int64_t h, int64_t t0, Partials& part, std::vector<float>& scores,
+                   std::vector<__m512>& qbuf, std::vector<float>& kvf) {
+    const int64_t* table = block_tables + b * max_blocks;
+    if (b_end - b == 1 && G <= 8) {
+      scores.resize(G * kKeyChunk);
+      auto one = [&](auto g_tag) {
+        row_chunk<NV, decltype(g_tag)::value, C>(q, kv, table, seq_lens[b], b, h, H, row, BS, t0, scale, part,
+                                                 scores.data());
+      };
+      switch (G) {
+        case 1: one(std::integral_constant<int, 1>{}); break;
+        case 2: one(std::integral_constant<int, 2>{}); break;
+        case 3: one(std::integral_constant<int, 3>{}); break;
+        case 4: one(std::integral_constant<int, 4>{}); break;
+        case 5: one(std::integral_constant<int, 5>{}); break;
+        case 6: one(std::integral_constant<int, 6>{}); break;
+        case 7: one(std::integral_constant<int, 7>{}); break;
+        default: one(std::integral_constant<int, 8>{}); break;
+      }
+    } else {
+      chunk_partials<NV, C>(q, kv, table, seq_lens, b, b_end - b, h, H, G, row, BS, t0, scale, part, scores, qbuf,
+                            kvf);
+    }
+  };
+  // Many rows (a prefill through this kernel): a task per (run, kv head) runs all its chunks into a
+  // buffer of its own and combines them, rather than all partials going through one buffer too
+  // big for the cache (a 1024-token prefill of 12 heads: 100 MiB). Each row's chunks and their
+  // combination are the same, so is its result.
+  if (static_cast<int64_t>(runs.size()) * Hkv >= 4 * at::get_num_threads() &&
+      first[B] * H * stride * 4 > (8 << 20)) {
+    at::parallel_for(0, static_cast<int64_t>(runs.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, kvf, local;
+      std::vector<__m512> qbuf;
+      for (int64_t task = begin; task < end; ++task) {
+        // runs taken from both ends in turn: a prompt's later rows see more keys, and each thread
+        // gets a contiguous range of tasks
+        const int64_t i = task / Hkv, n = static_cast<int64_t>(runs.size());
+        const auto [b, b_end] = runs[i % 2 ? n - 1 - i / 2 : i / 2];
+        const int64_t h = task % Hkv;
+        local.resize((first[b_end] - first[b]) * G * stride);
+        Partials part{local.data(), first.data(), G, stride, first[b], h * G};
+        for (int64_t c = 0; c < key_chunks(seq_lens[b_end - 1]); ++c)
+          chunk(b, b_end, h, c * kKeyChunk, part, scores, qbuf, kvf);
+        for (int64_t r = b; r < b_end; ++r)
+          for (int64_t g = 0; g < G; ++g)
+            combine_partials<NV>(out + (r * H + h * G + g) * D, part, r, h * G + g, key_chunks(seq_lens[r]));
+      }
+    });
+    return;
+  }
+  std::unique_ptr<float[]> buf(new float[first[B] * H * stride]);
+  Partials part{buf.get(), first.data(), H, stride};
   std::vector<int64_t> task_start{0};  // tasks of run i: (kv head, chunk) of its longest row
   for (auto [b, e] : runs) task_start.push_back(task_start.back() + Hkv * key_chunks(seq_lens[e - 1]));
   std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[B * Hkv]);
@@ -324,27 +379,7 @@ void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const Pag
       const auto [b, b_end] = runs[ri];
       const int64_t local = task - task_start[ri], chunks = key_chunks(seq_lens[b_end - 1]);
       const int64_t h = local / chunks, t0 = local % chunks * kKeyChunk;
-      const int64_t* table = block_tables + b * max_blocks;
-      if (b_end - b == 1 && G <= 8) {
-        scores.resize(G * kKeyChunk);
-        auto one = [&](auto g_tag) {
-          row_chunk<NV, decltype(g_tag)::value, C>(q, kv, table, seq_lens[b], b, h, H, row, BS, t0, scale, part,
-                                                   scores.data());
-        };
-        switch (G) {
-          case 1: one(std::integral_constant<int, 1>{}); break;
-          case 2: one(std::integral_constant<int, 2>{}); break;
-          case 3: one(std::integral_constant<int, 3>{}); break;
-          case 4: one(std::integral_constant<int, 4>{}); break;
-          case 5: one(std::integral_constant<int, 5>{}); break;
-          case 6: one(std::integral_constant<int, 6>{}); break;
-          case 7: one(std::integral_constant<int, 7>{}); break;
-          default: one(std::integral_constant<int, 8>{}); break;
-        }
-      } else {
-        chunk_partials<NV, C>(q, kv, table, seq_lens, b, b_end - b, h, H, G, row, BS, t0, scale, part, scores, qbuf,
-                              kvf);
-      }
+      chunk(b, b_end, h, t0, part, scores, qbuf, kvf);
       for (int64_t r = std::max<int64_t>(b, b + t0 - seq_lens[b] + 1); r < b_end; ++r) {
         const int64_t n = key_chunks(seq_lens[r]);
         if (done[r * Hkv + h].fetch_add(1, std::memory_order_acq_rel) + 1 == n)  // the row's last chunk: combine

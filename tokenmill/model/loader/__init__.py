@@ -46,6 +46,10 @@ def build_model(source: ModelSource, cfg: ModelConfig, attn_backend, max_positio
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
+    if quant_config is not None and getattr(quant_config, "act_bits", None) == "auto":
+        from tokenmill.model.layers.quantization.act_bits import choose_act_bits
+
+        quant_config.act_bits = choose_act_bits(model, source, dtype)
     model.weight_bytes = resident_weight_bytes(model)
     return model.eval()
 
@@ -67,7 +71,7 @@ def resident_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def load_tokenizer(source: ModelSource, override: str | None = None, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
+    from tokenmill.model.loader.hf_import import load_auto_tokenizer
 
     if override:
         path = override
@@ -75,4 +79,4 @@ def load_tokenizer(source: ModelSource, override: str | None = None, trust_remot
         path = str(gguf_loader.tokenizer_dir(source.path))
     else:
         path = str(source.path)
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return load_auto_tokenizer(path, trust_remote_code=trust_remote_code)

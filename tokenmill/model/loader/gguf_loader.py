@@ -145,11 +145,11 @@ def tokenizer_dir(path: Path) -> Path:
     before it."""
     target = prepare(path) / "tokenizer"
     if not target.is_dir():
-        from transformers import AutoTokenizer
+        from tokenmill.model.loader.hf_import import load_auto_tokenizer
 
         remove_stale(target.parent, ".build-*")
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
-        AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
+        load_auto_tokenizer(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
         publish_dir(tmp, target)
     return target
 

@@ -51,7 +51,7 @@ def _kernels_ok(warn: bool) -> bool:
 
 
 def make_quant_config(quantization: str, source, group_size: int, dense_min_rows: int | None,
-                      act_bits: int = 16) -> QuantConfig | None:
+                      act_bits: int | str = 16) -> QuantConfig | None:
     if quantization == "gguf":
         from tokenmill.model.layers.quantization.gguf import GGUFConfig
         from tokenmill.model.loader import gguf_loader

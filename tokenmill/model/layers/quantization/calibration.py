@@ -40,6 +40,21 @@ class _CausalAttention:
         return out.transpose(0, 1).reshape(t, -1)
 
 
+def causal_pass(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """The model's final hidden states over `ids` as one sequence, with plain causal attention in
+    place of the paged backend (no KV cache)."""
+    attn = [m for m in model.modules() if hasattr(m, "backend") and hasattr(m, "kv_cache")]
+    backends = {m: m.backend for m in attn}
+    try:
+        for m in attn:
+            m.backend = _CausalAttention()
+        with torch.inference_mode():
+            return model(torch.tensor(ids), torch.arange(len(ids)), None)
+    finally:
+        for m, b in backends.items():
+            m.backend = b
+
+
 def measure_input_scales(model: torch.nn.Module, ids: list[int], wants) -> int:
     """Sets `quant_input_scale` (mean x_j^2 over the tokens) on every layer `wants(layer)` accepts,
     running the model dense over `ids`. Returns the number of layers measured."""
@@ -58,16 +73,9 @@ def measure_input_scales(model: torch.nn.Module, ids: list[int], wants) -> int:
         layer.method = dense
         layer.packed_weight = None  # what the dense method reads first
         hooks.append(layer.register_forward_pre_hook(record))
-    attn = [m for m in model.modules() if hasattr(m, "backend") and hasattr(m, "kv_cache")]
-    backends = {m: m.backend for m in attn}
     try:
-        for m in attn:
-            m.backend = _CausalAttention()
-        with torch.inference_mode():
-            model(torch.tensor(ids), torch.arange(len(ids)), None)
+        causal_pass(model, ids)
     finally:
-        for m, b in backends.items():
-            m.backend = b
         for h in hooks:
             h.remove()
         for layer, method in saved.items():

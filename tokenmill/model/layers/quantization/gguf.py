@@ -21,7 +21,7 @@ FLOAT_GGUF = {0: "F32", 1: "F16", 30: "BF16"}
 class GGUFConfig(QuantConfig):
     name = "gguf"
 
-    def __init__(self, tensor_types: dict[str, int], dense_min_rows: int | None = None, act_bits: int = 16):
+    def __init__(self, tensor_types: dict[str, int], dense_min_rows: int | None = None, act_bits: int | str = 16):
         self.tensor_types = tensor_types  # checkpoint (Hugging Face) name -> ggml type id
         self.dense_min_rows = dense_min_rows
         self.act_bits = act_bits

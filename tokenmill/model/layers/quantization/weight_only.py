@@ -21,7 +21,7 @@ CALIBRATION_TOKENS = 512  # of built-in text, for int4's input-column importance
 
 
 class WeightOnlyConfig(QuantConfig):
-    def __init__(self, bits: int, group_size: int = 128, dense_min_rows: int | None = None, act_bits: int = 16):
+    def __init__(self, bits: int, group_size: int = 128, dense_min_rows: int | None = None, act_bits: int | str = 16):
         if bits not in (4, 8):
             raise ConfigError(f"weight-only quantization has 8 or 4 bits, not {bits}")
         if bits == 4 and group_size not in (32, 128):
@@ -57,9 +57,9 @@ class WeightOnlyConfig(QuantConfig):
         st = distributed.state()
         if st.tp_size > 1 or st.pp_size > 1:
             return
-        from transformers import AutoTokenizer
+        from tokenmill.model.loader.hf_import import load_auto_tokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(source.path))
+        tok = load_auto_tokenizer(str(source.path))
         ids = tok.encode(calibration_text(), add_special_tokens=False)[:CALIBRATION_TOKENS]
         measure_input_scales(model, ids, lambda m: isinstance(m.method, QuantizeAtLoadMethod))
 

@@ -1,0 +1,143 @@
+"""`--quant-act-bits auto`: the packed kernels' activation precision, measured once per model.
+
+8-bit codes (one int8 per activation and a scale per 32, as llama.cpp's and vLLM's GGUF kernels)
+take half the integer work of 16-bit ones (int8 plus an int8 code of its rounding residual, as
+exact as fp32): what bounds many-row products (verification, batches) on a CPU without AMX. What
+they cost in accuracy depends on the model: on Qwen2.5-Coder-0.5B nothing measurable, on
+SmolLM2-135M +0.44% perplexity, most of issue 8's 0.5% budget (BENCHMARKS.md). So the choice is
+measured: the perplexity of 512 tokens of built-in text (calibration.py) with 8-bit codes against
+16-bit ones. 8 bits when the change is within `MAX_CHANGE`
+(0.3%, margin under the 0.5% budget for another text), else 16. The verdict is kept in the cache
+folder, keyed by the weight files' size and time and by the dtype, so a model pays the measurement
+(two passes over the text; ~4 s for a 1.5B model on 2 cores) once. With tensor or pipeline
+parallelism no rank can run the whole model alone: 16 bits without measuring.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.layers.quantization.packed import PackedLinearMethod
+
+logger = logging.getLogger(__name__)
+TOKENS = 512
+MAX_CHANGE = 0.003  # relative perplexity change allowed for 8-bit codes
+CACHE_FILE = "act_bits.json"
+
+
+def packed_methods(model: torch.nn.Module) -> list[PackedLinearMethod]:
+    seen: dict[int, PackedLinearMethod] = {}
+    for m in model.modules():
+        method = getattr(m, "method", None)
+        if isinstance(method, PackedLinearMethod):
+            seen.setdefault(id(method), method)
+    return list(seen.values())
+
+
+def set_act_bits(model: torch.nn.Module, bits: int) -> None:
+    for method in packed_methods(model):
+        method.act_bits = bits
+
+
+def fingerprint(path: Path, dtype: torch.dtype) -> str:
+    """The weight files' names, sizes and modification times, and the activations' dtype."""
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    stats = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    return f"{path.resolve()}|{dtype}|" + ",".join(stats)
+
+
+def _cache_path() -> Path:
+    from tokenmill.model.loader.cache import cache_root
+
+    return cache_root() / CACHE_FILE
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, entry: dict) -> None:
+    """Best effort (a read-only cache only costs the measurement next time); atomic replace."""
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {k: v for k, v in _read_cache().items() if Path(k.split("|", 1)[0]).exists()}  # gone models: dropped
+        data[key] = entry
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as e:
+        logger.debug("could not keep the activation-precision verdict in %s: %s", path, e)
+
+
+def _nll(model: torch.nn.Module, ids: list[int]) -> float:
+    """Mean negative log-likelihood of ids[1:] given the prefix, one causal pass, no KV cache."""
+    from tokenmill.model.layers.quantization.calibration import causal_pass
+
+    hidden = causal_pass(model, ids)
+    target = torch.tensor(ids[1:])
+    total = 0.0
+    with torch.inference_mode():
+        for i in range(0, len(ids) - 1, 128):  # the logits of 128 positions at a time
+            logits = model.compute_logits(hidden[i:i + 128][: len(ids) - 1 - i]).float()
+            total += F.cross_entropy(logits, target[i:i + 128], reduction="sum").item()
+    return total / (len(ids) - 1)
+
+
+def measure_change(model: torch.nn.Module, ids: list[int]) -> float:
+    """Relative perplexity change of 8-bit codes against 16-bit ones (the packed kernel both times:
+    the dense path's bf16 weights would add their own rounding to the reference)."""
+    methods = packed_methods(model)
+    saved = [(m.dense_min_rows, m.act_bits) for m in methods]
+    try:
+        nll = {}
+        for bits in (16, 8):
+            for m in methods:
+                m.dense_min_rows, m.act_bits = 0, bits  # the packed kernel at every row count
+            nll[bits] = _nll(model, ids)
+    finally:
+        for m, (rows, bits) in zip(methods, saved):
+            m.dense_min_rows, m.act_bits = rows, bits
+    return math.exp(nll[8] - nll[16]) - 1
+
+
+def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype) -> int:
+    """8 or 16 for a model whose packed layers were built with act_bits "auto"; sets it on them."""
+    from tokenmill import distributed
+
+    st = distributed.state()
+    if not packed_methods(model):
+        return 16
+    if st.tp_size > 1 or st.pp_size > 1:
+        set_act_bits(model, 16)
+        logger.info("activation codes: 16-bit (auto is not measured with tensor or pipeline parallelism)")
+        return 16
+    key = fingerprint(Path(source.path), dtype)
+    entry = _read_cache().get(key)
+    cached = isinstance(entry, dict) and entry.get("bits") in (8, 16)  # else (hand-edited, older): measured
+    if not cached:
+        from tokenmill.model.layers.quantization.calibration import calibration_text
+        from tokenmill.model.loader import load_tokenizer
+
+        t0 = time.perf_counter()
+        ids = load_tokenizer(source, None, False).encode(calibration_text(), add_special_tokens=False)[:TOKENS]
+        change = measure_change(model, ids)
+        entry = {"change": change, "bits": 8 if change <= MAX_CHANGE else 16, "tokens": len(ids),
+                 "seconds": round(time.perf_counter() - t0, 2)}
+        _write_cache(key, entry)
+    set_act_bits(model, entry["bits"])
+    logger.info("activation codes: %d-bit (8-bit codes measured %+.3f%% perplexity against 16-bit ones "
+                "on %d tokens of built-in text, limit %+.1f%%%s)", entry["bits"], 100 * entry["change"],
+                entry["tokens"], 100 * MAX_CHANGE, "; cached" if cached else f"; {entry['seconds']}s")
+    return entry["bits"]
