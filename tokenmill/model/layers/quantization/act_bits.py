@@ -10,7 +10,9 @@ measured: the perplexity of 512 tokens of built-in text (calibration.py) with 8-
 (0.3%, margin under the 0.5% budget for another text), else 16. The verdict is kept in the cache
 folder, keyed by the weight files' size and time and by the dtype, so a model pays the measurement
 (two passes over the text; ~4 s for a 1.5B model on 2 cores) once. With tensor or pipeline
-parallelism no rank can run the whole model alone: 16 bits without measuring.
+parallelism no rank can run the whole model alone: 16 bits without measuring. Perplexity is the
+budget's measure; a model with near-uniform predictions (random weights) hardly moves it whatever
+its logits do, so tests of the products themselves pin the bits.
 """
 
 from __future__ import annotations
