@@ -127,6 +127,7 @@ void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache, co
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include "paged_attention_avx512.h"
+#include "paged_attention_tasks.h"
 #define TM_HAVE_AVX512_BF16_PATH 1
 #endif
 

@@ -1,9 +1,7 @@
-// The AVX-512 bf16 path of paged decode attention (included by paged_attention.cpp), split over
-// the key range (flash-decoding): one task per (run of rows, kv head, chunk of kKeyChunk keys),
-// each leaving a partial softmax (max, sum, unnormalized sum of values) per row and query head;
-// the last task to finish a (row, kv head) combines its chunks. One sequence of a few hundred
-// tokens with 3 kv heads thus keeps every thread busy, where one task per kv head left one of two
-// threads idle half the time.
+// The kernels of the AVX-512 bf16 path of paged decode attention (included by
+// paged_attention.cpp; paged_attention_tasks.h splits a batch into their tasks): each computes, for
+// a run of rows, a kv head and a chunk of kKeyChunk keys, a partial softmax (max, sum,
+// unnormalized sum of values) per row and query head, and combine_partials merges a row's chunks.
 // A row's chunks depend on its length only, and each chunk's arithmetic on that row only (the
 // rows of a run share K/V loads, not sums), so a row's result does not depend on the batch, on
 // the run it is part of (a speculative verification), or on the thread count.
@@ -14,7 +12,6 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <immintrin.h>
 
-#include <atomic>
 #include <memory>
 
 namespace tm_paged {
@@ -71,41 +68,6 @@ struct PagedKV {  // the cache of one layer: K and V codes, and their scales (un
   const float* ks;
   const float* vs;
 };
-
-// Runs of rows [start, end) that share a block table with lengths rising by one (a verification),
-// cut so that there are at least `min_tasks` (run, kv head) tasks where rows allow.
-std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* tables, const int64_t* lens, int64_t B,
-                                                  int64_t max_blocks, int64_t BS, int64_t Hkv, int64_t min_tasks) {
-  constexpr int64_t kMaxRun = 16;
-  std::vector<std::pair<int64_t, int64_t>> runs;
-  for (int64_t b = 0; b < B;) {
-    int64_t e = b + 1;
-    while (e < B && lens[e] == lens[e - 1] + 1 &&
-           std::equal(tables + e * max_blocks, tables + e * max_blocks + (lens[e] + BS - 1) / BS, tables + b * max_blocks))
-      ++e;
-    // runs of at most kMaxRun rows, of even sizes (17 rows: 9 + 8, not 16 + 1, which left one
-    // thread the whole 16-row run while the other ran the single row)
-    const int64_t parts = (e - b + kMaxRun - 1) / kMaxRun;
-    for (int64_t i = 0; i < parts; ++i)
-      runs.emplace_back(b + (e - b) * i / parts, b + (e - b) * (i + 1) / parts);
-    b = e;
-  }
-  for (bool cut = true; cut && static_cast<int64_t>(runs.size()) * Hkv < min_tasks;) {
-    cut = false;
-    std::vector<std::pair<int64_t, int64_t>> halves;
-    for (auto [a, e] : runs) {
-      if (e - a > 1) {
-        halves.emplace_back(a, (a + e + 1) / 2);
-        halves.emplace_back((a + e + 1) / 2, e);
-        cut = true;
-      } else {
-        halves.emplace_back(a, e);
-      }
-    }
-    runs.swap(halves);
-  }
-  return runs;
-}
 
 // One partial: [m, l, acc[D]] per (row, query head, chunk of the row).
 // A buffer of them for every row and head, or (base, hq0) for the rows of one run and the H heads
@@ -298,96 +260,6 @@ void combine_partials(at::BFloat16* o, Partials& part, int64_t b, int64_t hq, in
   alignas(64) float tmp[D];
   for (int j = 0; j < NV; ++j) _mm512_store_ps(tmp + 16 * j, _mm512_mul_ps(acc[j], _mm512_set1_ps(1.f / l)));
   for (int64_t d = 0; d < D; ++d) o[d] = static_cast<at::BFloat16>(tmp[d]);
-}
-
-// bf16 queries and outputs, head_dim = 16 * NV (64 -> 4, 128 -> 8), a cache of C.
-template <int NV, typename C>
-void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const PagedKV<C>& kv,
-                             const int64_t* block_tables, const int64_t* seq_lens, int64_t B, int64_t H, int64_t Hkv,
-                             int64_t BS, int64_t max_blocks, float scale) {
-  constexpr int64_t D = 16 * NV;
-  const int64_t G = H / Hkv;
-  const int64_t row = Hkv * D;
-  const auto runs = row_runs(block_tables, seq_lens, B, max_blocks, BS, Hkv, 2 * at::get_num_threads());
-  std::vector<int64_t> first(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + key_chunks(seq_lens[b]);
-  const int64_t stride = D + 2;
-  // one (row run, kv head, chunk) and its partials: `part` is this run's own or the shared buffer
-  auto chunk = [&](int64_t b, int64_t b_end, int64_t h, int64_t t0, Partials& part, std::vector<float>& scores,
-                   std::vector<__m512>& qbuf, std::vector<float>& kvf) {
-    const int64_t* table = block_tables + b * max_blocks;
-    if (b_end - b == 1 && G <= 8) {
-      scores.resize(G * kKeyChunk);
-      auto one = [&](auto g_tag) {
-        row_chunk<NV, decltype(g_tag)::value, C>(q, kv, table, seq_lens[b], b, h, H, row, BS, t0, scale, part,
-                                                 scores.data());
-      };
-      switch (G) {
-        case 1: one(std::integral_constant<int, 1>{}); break;
-        case 2: one(std::integral_constant<int, 2>{}); break;
-        case 3: one(std::integral_constant<int, 3>{}); break;
-        case 4: one(std::integral_constant<int, 4>{}); break;
-        case 5: one(std::integral_constant<int, 5>{}); break;
-        case 6: one(std::integral_constant<int, 6>{}); break;
-        case 7: one(std::integral_constant<int, 7>{}); break;
-        default: one(std::integral_constant<int, 8>{}); break;
-      }
-    } else {
-      chunk_partials<NV, C>(q, kv, table, seq_lens, b, b_end - b, h, H, G, row, BS, t0, scale, part, scores, qbuf,
-                            kvf);
-    }
-  };
-  // Many rows (a prefill through this kernel): a task per (run, kv head) runs all its chunks into a
-  // buffer of its own and combines them, rather than all partials going through one buffer too
-  // big for the cache (a 1024-token prefill of 12 heads: 100 MiB). Each row's chunks and their
-  // combination are the same, so is its result.
-  if (static_cast<int64_t>(runs.size()) * Hkv >= 4 * at::get_num_threads() &&
-      first[B] * H * stride * 4 > (8 << 20)) {
-    at::parallel_for(0, static_cast<int64_t>(runs.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, kvf, local;
-      std::vector<__m512> qbuf;
-      for (int64_t task = begin; task < end; ++task) {
-        // runs taken from both ends in turn: a prompt's later rows see more keys, and each thread
-        // gets a contiguous range of tasks
-        const int64_t i = task / Hkv, n = static_cast<int64_t>(runs.size());
-        const auto [b, b_end] = runs[i % 2 ? n - 1 - i / 2 : i / 2];
-        const int64_t h = task % Hkv;
-        local.resize((first[b_end] - first[b]) * G * stride);
-        Partials part{local.data(), first.data(), G, stride, first[b], h * G};
-        for (int64_t c = 0; c < key_chunks(seq_lens[b_end - 1]); ++c)
-          chunk(b, b_end, h, c * kKeyChunk, part, scores, qbuf, kvf);
-        for (int64_t r = b; r < b_end; ++r)
-          for (int64_t g = 0; g < G; ++g)
-            combine_partials<NV>(out + (r * H + h * G + g) * D, part, r, h * G + g, key_chunks(seq_lens[r]));
-      }
-    });
-    return;
-  }
-  std::unique_ptr<float[]> buf(new float[first[B] * H * stride]);
-  Partials part{buf.get(), first.data(), H, stride};
-  std::vector<int64_t> task_start{0};  // tasks of run i: (kv head, chunk) of its longest row
-  for (auto [b, e] : runs) task_start.push_back(task_start.back() + Hkv * key_chunks(seq_lens[e - 1]));
-  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[B * Hkv]);
-  for (int64_t i = 0; i < B * Hkv; ++i) done[i].store(0, std::memory_order_relaxed);
-  at::parallel_for(0, task_start.back(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> kvf;
-    std::vector<__m512> qbuf;
-    size_t ri = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
-    for (int64_t task = begin; task < end; ++task) {
-      while (task >= task_start[ri + 1]) ++ri;
-      const auto [b, b_end] = runs[ri];
-      const int64_t local = task - task_start[ri], chunks = key_chunks(seq_lens[b_end - 1]);
-      const int64_t h = local / chunks, t0 = local % chunks * kKeyChunk;
-      chunk(b, b_end, h, t0, part, scores, qbuf, kvf);
-      for (int64_t r = std::max<int64_t>(b, b + t0 - seq_lens[b] + 1); r < b_end; ++r) {
-        const int64_t n = key_chunks(seq_lens[r]);
-        if (done[r * Hkv + h].fetch_add(1, std::memory_order_acq_rel) + 1 == n)  // the row's last chunk: combine
-          for (int64_t g = 0; g < G; ++g)
-            combine_partials<NV>(out + (r * H + h * G + g) * D, part, r, h * G + g, n);
-      }
-    }
-  });
 }
 
 }  // namespace tm_paged
