@@ -1,8 +1,8 @@
 """CPU backend: decode attention reads K/V in place from the paged cache with a C++ kernel
 (no gather copy; 2.5-3x faster than gather + SDPA at 64 sequences, see csrc/). Prompt tokens go
 through the same kernel where it measured faster than SDPA's flash attention (`paged_prefill`:
-bf16 on AVX-512 without AMX, each token a row over the keys up to itself: 1.2-1.9x SDPA from 128 to
-4096 tokens on an AMD EPYC, BENCHMARKS.md); elsewhere they use SDPA as in the portable backend.
+bf16 on AVX-512 without AMX, each token a row over the keys up to itself: one layer 1.1-2.6x SDPA
+from 128 to 4096 tokens on an AMD EPYC, BENCHMARKS.md); elsewhere they use SDPA as in the portable backend.
 
 In batch-invariant mode (`per_row`), every token, prompt tokens included, goes through the decode
 kernel as its own query over the keys before it: its result then depends on nothing but its own

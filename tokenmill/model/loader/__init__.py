@@ -46,10 +46,8 @@ def build_model(source: ModelSource, cfg: ModelConfig, attn_backend, max_positio
     for module in model.modules():
         if hasattr(module, "process_weights_after_loading"):
             module.process_weights_after_loading()
-    if quant_config is not None and getattr(quant_config, "act_bits", None) == "auto":
-        from tokenmill.model.layers.quantization.act_bits import choose_act_bits
-
-        quant_config.act_bits = choose_act_bits(model, source, dtype)
+    if quant_config is not None:
+        quant_config.after_processing(model, source, dtype)
     model.weight_bytes = resident_weight_bytes(model)
     return model.eval()
 

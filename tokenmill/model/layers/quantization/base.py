@@ -62,6 +62,14 @@ class QuantConfig(ABC):
         """Called once every tensor is loaded, before any layer processes its weights (e.g. to
         measure activations while the weights are still dense)."""
 
+    def after_processing(self, model: nn.Module, source, dtype) -> None:
+        """Called once every layer has processed its weights: `--quant-act-bits auto` is measured
+        here (act_bits.py) by the configs whose layers are packed."""
+        if getattr(self, "act_bits", None) == "auto":
+            from tokenmill.model.layers.quantization.act_bits import choose_act_bits
+
+            self.act_bits = choose_act_bits(model, source, dtype)
+
     def packed_tensors(self) -> set[str]:
         """Checkpoint tensors (names with '.weight') the loader must hand over as raw blocks."""
         return set()
