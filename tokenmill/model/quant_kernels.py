@@ -40,9 +40,11 @@ VARIANT_FLAGS = {
                     "-mavx512vnni", "-mavx512bf16"],
 }
 # Bytes the packed GEMV prefetches each weight stream ahead, per CPU vendor (others: 1 KiB, the best
-# on a Xeon): an AMD EPYC streams Qwen-1.5B's layers from DRAM 1.3-1.5x faster at 4 KiB than at 1
-# (benchmarks/quant_gemv_bandwidth.py; BENCHMARKS.md, issue 8).
-PREFETCH_AHEAD = {"AuthenticAMD": 4096}
+# on a Xeon), capped at one 8-row group. An AMD EPYC streams Qwen-1.5B's layers from DRAM 1.3-1.5x
+# faster at 4 KiB than at 1, and decodes it 1.09x faster again at 16 KiB (a whole group ahead for
+# gate_up and the LM head; flat from 12 to 64 KiB) than at 4 (benchmarks/quant_gemv_bandwidth.py;
+# BENCHMARKS.md, issue 8).
+PREFETCH_AHEAD = {"AuthenticAMD": 16384}
 _LEVEL_VARIANT = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512_vnni",
                   "amx": "avx512_vnni"}
 _lock = threading.Lock()

@@ -163,7 +163,7 @@ __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const 
 // Bytes each weight stream is prefetched ahead of the chunk being read. Without it the kernel is
 // latency-bound on DRAM (the hardware prefetcher alone streamed ~9-10 GB/s where a plain read runs
 // ~17 GB/s). The best distance depends on the CPU kind (quant_kernels.py sets it at load: 1 KiB on
-// a Xeon, 4 KiB on an AMD EPYC; BENCHMARKS.md, issue 8).
+// a Xeon, 16 KiB on an AMD EPYC; BENCHMARKS.md, issue 8).
 int64_t g_prefetch_ahead = 1024;
 
 // Never inlined: GCC inlined some instances (Q4_1, Q5_0, Q8_0) into pair_dot's dispatch and compiled
