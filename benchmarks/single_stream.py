@@ -1,9 +1,12 @@
 """One stream: prefill time of a prompt and decode tokens/s after it, through the engine.
 
     python benchmarks/single_stream.py --model smollm2-135m --input-len 128 --output-len 256 [engine flags]
+    python benchmarks/single_stream.py --model qwen2.5-coder-1.5b --prefetch 4096,16384 --repeat 4
 
 Prints one JSON line: prefill_tok_s (prompt tokens / time of the steps that prefill it),
-decode_tok_s (new tokens after the first / their time), and the engine's settings.
+decode_tok_s (new tokens after the first / their time), and the engine's settings. With
+--prefetch, one line per distance of the packed GEMV's weight prefetch (bytes), the distances
+taking turns in every repeat so that a change of machine load hits all alike.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3, help="runs after one warm-up; the best is reported")
+    ap.add_argument("--prefetch", default="", help="comma-separated prefetch distances (bytes) to compare")
     add_engine_args(ap)
     args = ap.parse_args()
     cfg = engine_config_from_args(args)
@@ -51,15 +55,25 @@ def main() -> None:
     (req,) = synthetic(engine.tokenizer, 1, args.input_len, args.output_len, 0.0, seed=0)
     prompt = engine.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
     run(engine, prompt, 8)
-    results = [run(engine, prompt, args.output_len) for _ in range(args.repeat)]
+    dists = [int(d) for d in args.prefetch.split(",") if d] or [None]
+    results = {d: [] for d in dists}
+    for _ in range(args.repeat):
+        for d in dists:
+            if d is not None:
+                from tokenmill.model.quant_kernels import quant_ops
+
+                quant_ops().set_prefetch_ahead(d)
+            results[d].append(run(engine, prompt, args.output_len))
     w = engine.core.worker
-    print(json.dumps({
-        "model": engine.served_model_name, "quantization": w.quantization, "dtype": str(w.dtype),
-        "prefill_tok_s": round(max(r[0] for r in results), 1), "decode_tok_s": round(max(r[1] for r in results), 1),
-        "input_len": len(prompt), "output_len": args.output_len, "load_s": round(load_s, 2),
-        "weight_mib": round(w.weight_bytes / 2**20, 1), "cpu": describe(), "threads": os.environ.get("OMP_NUM_THREADS"),
-        "load_avg": os.getloadavg()[0],
-    }))
+    for d, rs in results.items():
+        print(json.dumps({
+            "model": engine.served_model_name, "quantization": w.quantization, "dtype": str(w.dtype),
+            **({"prefetch": d, "decode_runs": [round(r[1], 1) for r in rs]} if d is not None else {}),
+            "prefill_tok_s": round(max(r[0] for r in rs), 1), "decode_tok_s": round(max(r[1] for r in rs), 1),
+            "input_len": len(prompt), "output_len": args.output_len, "load_s": round(load_s, 2),
+            "weight_mib": round(w.weight_bytes / 2**20, 1), "cpu": describe(),
+            "threads": os.environ.get("OMP_NUM_THREADS"), "load_avg": os.getloadavg()[0],
+        }))
 
 
 if __name__ == "__main__":
