@@ -43,7 +43,7 @@ class ReducedLMHead(nn.Module):
         if isinstance(head.method, PackedLinearMethod):
             fmt = FORMATS["I4_G128"] if head.in_features % 128 == 0 else FORMATS["Q4_1"]
             packed = quantize_q4_groups(rows.float(), fmt.block)
-            self.method = PackedLinearMethod([fmt.id], head.method.dense_min_rows, head.method.act_bits)
+            self.method = PackedLinearMethod([fmt.id], head.method.fixed_dense_min_rows, head.method.act_bits)
             self.q_rows, self.q_out, self.q_in = [len(ids)], len(ids), head.in_features
             self.q_offsets = [0, packed.numel()]
             self.weight = nn.Parameter(packed.reshape(-1), requires_grad=False)

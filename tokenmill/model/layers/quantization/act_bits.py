@@ -46,7 +46,7 @@ def packed_methods(model: torch.nn.Module) -> list[PackedLinearMethod]:
 
 def set_act_bits(model: torch.nn.Module, bits: int) -> None:
     for method in packed_methods(model):
-        method.act_bits = bits
+        method.set_act_bits(bits)
 
 
 def fingerprint(path: Path, dtype: torch.dtype) -> str:

@@ -7,8 +7,9 @@ Policy for the product x[M, K] . W^T, by the number of rows M:
   weights once per call, as stored, which is what decoding at low concurrency is bound by;
 - M >= dense_min_rows: dequantize W slab by slab and run the dense GEMM (oneDNN, AMX where the
   CPU has it), which wins once each weight is reused by enough rows, if it does at all.
-The crossover is measured per kind of CPU (benchmarks/quant_crossover.py, BENCHMARKS.md) and can be
-set with --quant-dense-min-rows; None in DENSE_MIN_ROWS: the packed kernel at every row count. In
+The crossover is measured per kind of CPU, and where it moved with them per activation precision and
+weight format (benchmarks/quant_crossover.py, BENCHMARKS.md); --quant-dense-min-rows sets it for
+every layer. None in the tables: the packed kernel at every row count. In
 batch-invariant mode every product takes the packed kernel, which computes each row the same way
 whatever the batch (so where the policy is None, packed weights are row-invariant anyway).
 """
@@ -37,23 +38,40 @@ DENSE_MIN_ROWS: dict[str, int | None] = {"scalar": 1, "avx2": 128, "avx512": Non
 # SIMD dequantization (quant_dequant.h) dequant+GEMM wins from 128 rows on three of four shapes
 # (256 on Qwen-1.5B's gate_up, within 8% at 128), by up to 1.6x at 512.
 DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", "avx512_bf16"): 128}
+# The same CPU kinds with 8-bit activation codes (half the packed kernel's integer work), per weight
+# format; a format not listed: the packed kernel at every row count. AMD EPYC (2026-11-26, 8960x1536):
+# packed is 1.1-1.3x dequant+GEMM at 2048 rows for every format but those whose 5th/6th bits are
+# added from bit planes (Q5_0, Q5_1, Q6_K), where dequant+GEMM wins by 1.1-1.2x from 512.
+DENSE_MIN_ROWS_8BIT_BY_VENDOR: dict[tuple[str, str], dict[str, int]] = {
+    ("AuthenticAMD", "avx512_bf16"): {"Q5_0": 512, "Q5_1": 512, "Q6_K": 512}}
 
 
-def default_dense_min_rows() -> int:
-    """The active ISA's crossover on this CPU kind; 0: never dequantize (what qlinear takes as "no
-    dense path")."""
+def default_dense_min_rows(act_bits: int | str = 16, qtype: int | None = None) -> int:
+    """The active ISA's crossover on this CPU kind for these activation codes ("auto": as 16 until
+    measured) and weight format; 0: never dequantize (what qlinear takes as "no dense path")."""
     level = active_isa()
-    return DENSE_MIN_ROWS_BY_VENDOR.get((cpu_vendor(), level), DENSE_MIN_ROWS[level]) or 0
+    kind = (cpu_vendor(), level)
+    if act_bits == 8 and kind in DENSE_MIN_ROWS_8BIT_BY_VENDOR:
+        return DENSE_MIN_ROWS_8BIT_BY_VENDOR[kind].get(BY_ID[qtype].name if qtype is not None else "", 0)
+    return DENSE_MIN_ROWS_BY_VENDOR.get(kind, DENSE_MIN_ROWS[level]) or 0
 
 
 class PackedLinearMethod(LinearMethod):
     """Weights stored packed in `qtypes` (one format per shard)."""
 
-    def __init__(self, qtypes: list[int], dense_min_rows: int | None = None, act_bits: int = 16):
+    def __init__(self, qtypes: list[int], dense_min_rows: int | None = None, act_bits: int | str = 16):
         self.qtypes = list(qtypes)
-        self.act_bits = act_bits
-        self.dense_min_rows = default_dense_min_rows() if dense_min_rows is None else dense_min_rows
+        self.main_qtype = self.qtypes[0]  # the format of most of the weight's bytes, once loaded
+        self.fixed_dense_min_rows = dense_min_rows  # --quant-dense-min-rows; None: the measured crossover
         self.ops = quant_ops()
+        self.set_act_bits(act_bits)
+
+    def set_act_bits(self, bits: int | str) -> None:
+        """The activation codes (8, 16, or "auto" before act_bits.py measures it), and the crossover
+        that goes with them."""
+        self.act_bits = bits
+        self.dense_min_rows = (default_dense_min_rows(bits, self.main_qtype) if self.fixed_dense_min_rows is None
+                               else self.fixed_dense_min_rows)
 
     def create_weights(self, layer, in_features, shard_sizes, dtype, device) -> None:
         if len(shard_sizes) != len(self.qtypes):
@@ -102,6 +120,8 @@ class PackedLinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.cat(parts) if len(parts) > 1 else parts[0], requires_grad=False)
         layer.q_views = None
         self.shard_views(layer)
+        self.main_qtype = max(zip(sizes, self.qtypes))[1]
+        self.set_act_bits(self.act_bits)
 
     @staticmethod
     def shard_views(layer) -> list[torch.Tensor]:
