@@ -219,3 +219,24 @@ def test_skip_special_tokens(smol_fp32):
     clean = gen(smol_fp32, CHAT, **kw).outputs[0]
     assert raw.token_ids == clean.token_ids and 2 in raw.token_ids  # 2 = <|im_end|>
     assert "<|im_end|>" in raw.text and "<|im_end|>" not in clean.text
+
+
+@pytest.mark.parametrize("width", [7, 2048, 4096, 49152, 151936, 4096 * 3 + 5])
+def test_first_argmax_is_torch_argmax(width):
+    """The sampler's greedy pick (chunked for speed) is each row's first maximum, ties included."""
+    import torch
+
+    from tokenmill.worker.sampler import first_argmax
+
+    g = torch.Generator().manual_seed(width)
+    rows = [torch.randn(width, generator=g),
+            torch.randint(0, 3, (width,), generator=g).float(),  # many ties of the maximum
+            torch.zeros(width),  # all tied: index 0
+            torch.full((width,), float("-inf"))]
+    last = torch.full((width,), -5.0)
+    last[-1] = 4.0  # the maximum in the last position (the tail past the chunks)
+    ties = torch.randn(width, generator=g)
+    ties[[width // 3, width - 1]] = 9.0  # the first of two equal maxima
+    x = torch.stack(rows + [last, ties])
+    assert torch.equal(first_argmax(x), torch.argmax(x, dim=-1))
+    assert first_argmax(x)[2] == 0 and first_argmax(x)[4] == width - 1 and first_argmax(x)[5] == width // 3

@@ -96,7 +96,7 @@ class Sampler:
         return logits
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy = logits.max(dim=-1).indices if batch.greedy.any() else None  # max() is ~2.5x faster than argmax()
+        greedy = first_argmax(logits) if batch.greedy.any() else None
         if batch.all_greedy:
             return greedy
         sampled = self._sample(logits, batch)  # consumes logits
@@ -132,7 +132,8 @@ class Sampler:
         """Temperature, top-k, top-p, min-p: each row's distribution, unnormalized (its top token
         weighs 1). In place on the (fresh, per-step) logits: no new vocab-sized buffers."""
         probs = logits.div_(batch.temperature.unsqueeze(1))
-        probs = probs.sub_(probs.max(dim=-1, keepdim=True).values).exp_()  # unnormalized: max is 1
+        # unnormalized: max is 1 (amax: ~10x max(dim).values on a CPU, which also finds the indices)
+        probs = probs.sub_(probs.amax(dim=-1, keepdim=True)).exp_()
         if batch.top_k is not None:
             k_max = int(batch.top_k.max())
             top = torch.topk(probs, k_max, dim=-1).values
@@ -163,6 +164,31 @@ class Sampler:
             vals = [chosen_l[i]] + (top_vals_l[i][:n] if n else [])
             out.append(TokenLogprobs(ids, vals, ranks_l[i]))
         return out
+
+
+_ARGMAX_CHUNK = 2048
+
+
+def first_argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum, as torch.argmax, 2-4x faster on a CPU for vocabulary-wide rows
+    (a reduction with indices runs slowly there): the maxima of chunks of each row, then the first
+    maximum inside the first chunk that holds the row's."""
+    rows, width = x.shape
+    n = width // _ARGMAX_CHUNK
+    if n < 2:
+        return x.argmax(dim=-1)
+    end = n * _ARGMAX_CHUNK
+    body = x[:, :end].reshape(rows, n, _ARGMAX_CHUNK)
+    chunk_max = body.amax(dim=-1)
+    tail = x[:, end:] if end < width else None
+    if tail is not None:
+        chunk_max = torch.cat([chunk_max, tail.amax(dim=-1, keepdim=True)], dim=1)
+    chunk = chunk_max.argmax(dim=-1)  # the first chunk holding the row's maximum
+    inner = body[torch.arange(rows), chunk.clamp(max=n - 1)].argmax(dim=-1)
+    found = chunk * _ARGMAX_CHUNK + inner
+    if tail is not None:
+        found = torch.where(chunk == n, end + tail.argmax(dim=-1), found)
+    return found
 
 
 _TOP_P_CANDIDATES = 256

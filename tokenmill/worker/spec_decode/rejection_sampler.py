@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.core.messages import TokenLogprobs
 from tokenmill.worker.request_state import RequestState
-from tokenmill.worker.sampler import Sampler, SamplingBatch
+from tokenmill.worker.sampler import Sampler, SamplingBatch, first_argmax
 
 
 def _uniform(generator: torch.Generator) -> float:
@@ -80,7 +80,7 @@ class RejectionSampler:
         logits = logits.float()
         raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         logits = self.sampler.process(logits, batch)
-        argmax = logits.max(dim=-1).indices.tolist()
+        argmax = first_argmax(logits).tolist()  # as the sampler's greedy rows
         probs = None if batch.all_greedy else self.sampler.filtered_probs(logits, batch)
         results, r0, lp_rows, lp_tokens = [], 0, [], []
         for state, drafts in rows:
