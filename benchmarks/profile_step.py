@@ -60,13 +60,15 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--model", default=None)
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     args = ap.parse_args()
 
     config = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
                                       quantization=args.quantization, kv_cache_memory="1GiB", max_model_len=2048)
     engine = LLMEngine(config, progress=False)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature)
     for i, r in enumerate(synthetic(engine.tokenizer, args.num_prompts, args.input_len, args.output_len)):
-        engine.add_request(str(i), r.prompt, SamplingParams(max_tokens=args.output_len, ignore_eos=True))
+        engine.add_request(str(i), r.prompt, params)
     runner, totals = engine.core.worker.runner, collections.defaultdict(float)
     timed(engine.core.scheduler, "schedule", "schedule", totals)
     timed(engine.core.scheduler, "update", "scheduler update", totals)
