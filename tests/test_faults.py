@@ -164,8 +164,11 @@ def test_sigkill_mid_kernel_build_then_restart(tmp_path):
         while "building tokenmill_cpu_kernels" not in srv.log():
             assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log()
             time.sleep(0.05)
-        time.sleep(2)  # the compiler is running
-        assert _processes_naming(tmp_path), "no compiler is running: test the wrong thing"
+        # killed as soon as a process builds in the build's folder: a fixed wait could outlast a fast
+        # compile, and the kill would then find the build done
+        while not ((builds := _own_builds(tmp_path)) and _processes_naming(builds[0])):
+            assert time.monotonic() < deadline and srv.proc.poll() is None, "no build ran: test the wrong thing"
+            time.sleep(0.01)
     finally:
         srv.stop(signal.SIGKILL)
     assert _own_builds(tmp_path), "the kill left no half-built kernels: test the wrong thing"
