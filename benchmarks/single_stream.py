@@ -19,6 +19,7 @@ import time
 from tokenmill.bench.datasets import synthetic
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.cli.args import add_engine_args, engine_config_from_args
+from tokenmill.model.quant_kernels import quant_ops
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.utils.cpu import describe
 
@@ -60,8 +61,6 @@ def main() -> None:
     for _ in range(args.repeat):
         for d in dists:
             if d is not None:
-                from tokenmill.model.quant_kernels import quant_ops
-
                 quant_ops().set_prefetch_ahead(d)
             results[d].append(run(engine, prompt, args.output_len))
     w = engine.core.worker

@@ -178,7 +178,10 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     if n < 2:
         return x.argmax(dim=-1)
     end = n * _ARGMAX_CHUNK
-    body = x[:, :end].reshape(rows, n, _ARGMAX_CHUNK)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    # the chunks as a view: reshaping x[:, :end] would copy every row when the width has a tail
+    body = x.as_strided((rows, n, _ARGMAX_CHUNK), (x.stride(0), _ARGMAX_CHUNK, 1), x.storage_offset())
     chunk_max = body.amax(dim=-1)
     tail = x[:, end:] if end < width else None
     if tail is not None:
