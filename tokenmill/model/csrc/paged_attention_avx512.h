@@ -6,7 +6,8 @@
 // rows of a run share K/V loads, not sums), so a row's result does not depend on the batch, on
 // the run it is part of (a speculative verification), or on the thread count.
 // The cache is bf16, or int8 / fp8 e4m3 codes with one float scale per token and kv head
-// (quant_kv.cpp writes them), turned into floats (code times scale) as each row is loaded.
+// (quant_kv.cpp writes them). Keys go to the scores as bf16 (codes exactly; the scale multiplies
+// the score, paged_attention_keys.h), values into floats (code times scale) as each row is loaded.
 #pragma once
 
 #include <c10/util/Float8_e4m3fn.h>
@@ -47,11 +48,26 @@ inline __m512 f32x16(const c10::Float8_e4m3fn* p) {
   return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)), _mm512_set1_ps(0x1p120f));
 }
 
-// A token's scale in a quantized cache ([num_blocks, BS, Hkv] floats), 1 for a bf16 cache.
+// The scale of a cache slot's row of kv head h in a quantized cache ([num_blocks, BS, Hkv]
+// floats), 1 for a bf16 cache.
 template <typename C>
-inline float token_scale(const float* scales, const int64_t* table, int64_t t, int64_t BS, int64_t Hkv, int64_t h) {
+inline float slot_scale(const float* scales, int64_t slot, int64_t Hkv, int64_t h) {
   if constexpr (std::is_same_v<C, at::BFloat16>) return 1.f;
-  else return scales[(table[t / BS] * BS + t % BS) * Hkv + h];
+  else return scales[slot * Hkv + h];
+}
+
+// The cache slots (block * BS + offset) of tokens [t0, t0 + n), without a division per token;
+// prefetches each next block's rows of kv head h of `cache` on the way (blocks are scattered).
+template <typename C>
+inline void chunk_slots(const C* cache, const int64_t* table, int64_t t0, int64_t n, int64_t BS, int64_t row,
+                        int64_t h, int64_t D, int64_t nblocks, int64_t* slots) {
+  int64_t blk = t0 / BS, off = t0 % BS;
+  for (int64_t i = 0; i < n; ++i) {
+    if ((off == 0 || i == 0) && blk + 1 < nblocks)
+      prefetch_block(cache + table[blk + 1] * BS * row + h * D, BS, row, D * sizeof(C));
+    slots[i] = table[blk] * BS + off;
+    if (++off == BS) off = 0, ++blk;
+  }
 }
 
 // 16 values of a token's K or V row, as floats: a quantized code times the token's scale
@@ -79,46 +95,48 @@ struct Partials {
   float* at(int64_t b, int64_t hq, int64_t c) { return buf + ((first[b] - base + c) * H + hq - hq0) * stride; }
 };
 
-// chunk_partials below for one row (a plain decode) with G known: q and the sums stay in registers;
-// the same operations in the same order.
+}  // namespace tm_paged
+
+#include "paged_attention_keys.h"
+
+namespace tm_paged {
+
+// chunk_partials below for one row (a plain decode) with G known: the values' sums stay in
+// registers; the same operations in the same order.
 template <int NV, int G, typename C>
 void row_chunk(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table, int64_t L, int64_t b, int64_t h,
                int64_t H, int64_t row, int64_t BS, int64_t t0, float scale, Partials& part, float* scores) {
   constexpr int64_t D = 16 * NV;
   const int64_t Hkv = row / D;
   const int64_t t1 = std::min(t0 + kKeyChunk, L), n = t1 - t0, nblocks = (L + BS - 1) / BS;
-  __m512 qv[G][NV], acc[G][NV];
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NV; ++j) {
-      qv[g][j] = _mm512_mul_ps(bf16x16_to_f32(q + (b * H + h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
-      acc[g][j] = _mm512_setzero_ps();
-    }
-  for (int64_t t = t0; t < t1; ++t) {
-    if ((t % BS == 0 || t == t0) && t / BS + 1 < nblocks)
-      prefetch_block(kv.k + table[t / BS + 1] * BS * row + h * D, BS, row, D * sizeof(C));
-    const C* k = token_row(kv.k, table, t, BS, row, h, D);
-    __m512 kx[NV];
-    const float ks = token_scale<C>(kv.ks, table, t, BS, Hkv, h);
-    for (int j = 0; j < NV; ++j) kx[j] = kv16(k + 16 * j, ks);
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(qv[g][0], kx[0]);
-      for (int j = 1; j < NV; ++j) a = _mm512_fmadd_ps(qv[g][j], kx[j], a);
-      scores[g * n + t - t0] = _mm512_reduce_add_ps(a);
-    }
+  alignas(64) __m512i kt[kKeyChunk / 16 * 8 * NV];
+  alignas(64) float sv[kKeyChunk];
+  alignas(64) int32_t qd[G][8 * NV];
+  const int32_t* qp[G];
+  float* sp[G];
+  stage_keys<NV, C>(kv, table, L, t0, n, BS, row, h, scale, kt, sv);
+  for (int g = 0; g < G; ++g) {
+    query_pairs<NV>(q + (b * H + h * G + g) * D, qd[g]);
+    qp[g] = qd[g];
+    sp[g] = scores + g * kKeyChunk;
   }
+  chunk_scores<NV>(qp, G, kt, n, sv, sp);
   for (int g = 0; g < G; ++g) {
     float* p = part.at(b, h * G + g, t0 / kKeyChunk);
-    p[1] = softmax_partial(scores + g * n, n, p[0]);
+    p[1] = softmax_partial(sp[g], n, p[0]);
   }
+  __m512 acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
+  int64_t slots[kKeyChunk];
+  chunk_slots(kv.v, table, t0, n, BS, row, h, D, nblocks, slots);
   for (int64_t t = t0; t < t1; ++t) {
-    if ((t % BS == 0 || t == t0) && t / BS + 1 < nblocks)
-      prefetch_block(kv.v + table[t / BS + 1] * BS * row + h * D, BS, row, D * sizeof(C));
-    const C* v = token_row(kv.v, table, t, BS, row, h, D);
+    const C* v = kv.v + slots[t - t0] * row + h * D;
     __m512 vv[NV];
-    const float vs = token_scale<C>(kv.vs, table, t, BS, Hkv, h);
+    const float vs = slot_scale<C>(kv.vs, slots[t - t0], Hkv, h);
     for (int j = 0; j < NV; ++j) vv[j] = kv16(v + 16 * j, vs);
     for (int g = 0; g < G; ++g) {
-      const __m512 pg = _mm512_set1_ps(scores[g * n + t - t0]);
+      const __m512 pg = _mm512_set1_ps(sp[g][t - t0]);
       for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(pg, vv[j], acc[g][j]);
     }
   }
@@ -126,26 +144,8 @@ void row_chunk(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(part.at(b, h * G + g, t0 / kKeyChunk) + 2 + 16 * j, acc[g][j]);
 }
 
-// _mm512_reduce_add_ps of 16 vectors at once, each sum exactly as GCC's (lanes i + (i + 8), then
-// j + (j + 4), then 0 + 2 and 1 + 3, then those two; float addition commutes), by shuffles that
-// serve four or eight vectors per add. Output lane 4l + m is the sum of a[4m + l]: put item j at
-// a[slot16(j)] to get them in order.
-constexpr int slot16(int j) { return 4 * (j % 4) + j / 4; }
-
-inline __m512 reduce_add16(const __m512 a[16]) {
-  __m512 b[8], c[4];
-  for (int p = 0; p < 8; ++p)
-    b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
-  for (int s = 0; s < 4; ++s)
-    c[s] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * s], b[2 * s + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * s], b[2 * s + 1], 0xDD));
-  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
-  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_ps(c[2], c[3], 0x44), _mm512_shuffle_ps(c[2], c[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(d0, d1, 0x88), _mm512_shuffle_ps(d0, d1, 0xDD));
-}
-
-// sum_t p_i[t] v[t] for NH heads (out_i), each lane's sum in t order from zero, as row_chunk.
+// sum_t p_i[t] v[t] for NH queries (out_i), each lane's sum in t order from zero, as row_chunk;
+// each value vector is loaded once into a register for all NH.
 template <int NV, int NH>
 inline void weighted_values(const float* vf, const float* const* p, int64_t n, float* const* out) {
   __m512 acc[NH][NV];
@@ -153,7 +153,10 @@ inline void weighted_values(const float* vf, const float* const* p, int64_t n, f
     for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
     __m512 v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(vf + t * 16 * NV + 16 * j);
+    for (int j = 0; j < NV; ++j) {
+      v[j] = _mm512_loadu_ps(vf + t * 16 * NV + 16 * j);
+      asm("" : "+v"(v[j]));  // kept in a register, not reloaded by each FMA
+    }
     for (int i = 0; i < NH; ++i) {
       const __m512 pt = _mm512_set1_ps(p[i][t]);
       for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(pt, v[j], acc[i][j]);
@@ -163,82 +166,76 @@ inline void weighted_values(const float* vf, const float* const* p, int64_t n, f
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out[i] + 16 * j, acc[i][j]);
 }
 
+// weighted_values for nq queries, as many at once as registers hold
+template <int NV>
+void weighted_values_of(const float* vf, const float* const* p, int64_t nq, int64_t n, float* const* out) {
+  constexpr int64_t kMax = NV == 4 ? 6 : 2;
+  for (int64_t i = 0; i < nq; i += kMax) {
+    switch (std::min(kMax, nq - i)) {
+      case 1: weighted_values<NV, 1>(vf, p + i, n, out + i); break;
+      case 2: weighted_values<NV, 2>(vf, p + i, n, out + i); break;
+      case 3: if constexpr (kMax >= 3) weighted_values<NV, 3>(vf, p + i, n, out + i); break;
+      case 4: if constexpr (kMax >= 4) weighted_values<NV, 4>(vf, p + i, n, out + i); break;
+      case 5: if constexpr (kMax >= 5) weighted_values<NV, 5>(vf, p + i, n, out + i); break;
+      default: if constexpr (kMax >= 6) weighted_values<NV, 6>(vf, p + i, n, out + i); break;
+    }
+  }
+}
+
 // Rows [b0, b0 + R) of one run (lengths L0, L0 + 1, ...), kv head h, keys [t0, t0 + kKeyChunk):
-// the partials of every row whose keys reach t0. The chunk's K and V rows are turned into floats
-// once (kvf), then each (row, query head) runs over them with its sums in registers, its scores 16
-// keys at a time (reduce_add16), the weighted values of up to 4 heads at once (independent FMA
+// the partials of every row whose keys reach t0. The chunk's keys are staged and its values turned
+// into floats once (kt, kvf); the scores of all the run's (row, query head) pairs come from the
+// staged keys (chunk_scores), the weighted values of up to 4 heads at once (independent FMA
 // chains); per score and per output lane the same operations in the same order as row_chunk, so a
 // row's result is bit for bit that of the row alone.
 template <int NV, typename C>
 void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table, const int64_t* seq_lens,
                     int64_t b0, int64_t R, int64_t h, int64_t H, int64_t G, int64_t row, int64_t BS, int64_t t0,
-                    float scale, Partials& part, std::vector<float>& scores, std::vector<__m512>& qbuf,
-                    std::vector<float>& kvf) {
+                    float scale, Partials& part, std::vector<float>& scores, std::vector<int32_t>& qbuf,
+                    std::vector<float>& kvf, std::vector<__m512i>& kt) {
   constexpr int64_t D = 16 * NV;
   const int64_t Hkv = row / D;
   const int64_t L0 = seq_lens[b0], Lmax = seq_lens[b0 + R - 1];
-  const int64_t CH = std::min(kKeyChunk, Lmax);
-  const int64_t t1 = std::min(t0 + kKeyChunk, Lmax);
+  const int64_t t1 = std::min(t0 + kKeyChunk, Lmax), n = t1 - t0;
   const int64_t r0 = std::max<int64_t>(0, t0 - L0 + 1);  // rows before r0 end before t0
-  qbuf.resize(R * G * NV);
-  scores.resize(R * G * CH);
-  kvf.resize(2 * CH * D);
-  float* kf = kvf.data();
-  float* vf = kf + CH * D;
-  for (int64_t r = r0; r < R; ++r)
-    for (int64_t g = 0; g < G; ++g)
-      for (int j = 0; j < NV; ++j)
-        qbuf[(r * G + g) * NV + j] =
-            _mm512_mul_ps(bf16x16_to_f32(q + ((b0 + r) * H + h * G + g) * D + 16 * j), _mm512_set1_ps(scale));
+  const int64_t Q = (R - r0) * G;  // the (row, head) pairs that reach this chunk
+  qbuf.resize(Q * 8 * NV);
+  scores.resize(Q * kKeyChunk + kKeyChunk);
+  kvf.resize(kKeyChunk * D);
+  kt.resize(kKeyChunk / 16 * 8 * NV);
+  float* sv = scores.data() + Q * kKeyChunk;
+  std::vector<const int32_t*> qp(Q);
+  std::vector<float*> sp(Q);
+  for (int64_t i = 0; i < Q; ++i) {
+    query_pairs<NV>(q + ((b0 + r0 + i / G) * H + h * G + i % G) * D, &qbuf[i * 8 * NV]);
+    qp[i] = &qbuf[i * 8 * NV];
+    sp[i] = &scores[i * kKeyChunk];
+  }
+  stage_keys<NV, C>(kv, table, Lmax, t0, n, BS, row, h, scale, kt.data(), sv);
+  chunk_scores<NV>(qp.data(), Q, kt.data(), n, sv, sp.data());
   const int64_t nblocks = (Lmax + BS - 1) / BS;
-  auto to_floats = [&](const C* cache, const float* scales, float* dst) {
-    for (int64_t t = t0; t < t1; ++t) {
-      if ((t % BS == 0 || t == t0) && t / BS + 1 < nblocks)
-        prefetch_block(cache + table[t / BS + 1] * BS * row + h * D, BS, row, D * sizeof(C));
-      const C* src = token_row(cache, table, t, BS, row, h, D);
-      const float s = token_scale<C>(scales, table, t, BS, Hkv, h);
-      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(dst + (t - t0) * D + 16 * j, kv16(src + 16 * j, s));
-    }
-  };
-  to_floats(kv.k, kv.ks, kf);
-  to_floats(kv.v, kv.vs, vf);
+  float* vf = kvf.data();
+  int64_t slots[kKeyChunk];
+  chunk_slots(kv.v, table, t0, n, BS, row, h, D, nblocks, slots);
+  for (int64_t t = t0; t < t1; ++t) {
+    const C* src = kv.v + slots[t - t0] * row + h * D;
+    const float s = slot_scale<C>(kv.vs, slots[t - t0], Hkv, h);
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(vf + (t - t0) * D + 16 * j, kv16(src + 16 * j, s));
+  }
+  std::vector<float*> op(Q);
   for (int64_t r = r0; r < R; ++r) {
-    const int64_t n = std::min(t1, L0 + r) - t0;  // the keys this row reaches
+    const int64_t nr = std::min(t1, L0 + r) - t0;  // the keys this row reaches
     for (int64_t g = 0; g < G; ++g) {
-      const __m512* qv = &qbuf[(r * G + g) * NV];
-      float* sc = &scores[(r * G + g) * CH];
-      auto dot = [&](int64_t t) {
-        const float* k = kf + t * D;
-        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(k + 16 * j), acc);
-        return acc;
-      };
-      int64_t t = 0;
-      for (; t + 16 <= n; t += 16) {
-        __m512 a[16];
-        for (int j = 0; j < 16; ++j) a[slot16(j)] = dot(t + j);
-        _mm512_storeu_ps(sc + t, reduce_add16(a));
-      }
-      for (; t < n; ++t) sc[t] = _mm512_reduce_add_ps(dot(t));
       float* p = part.at(b0 + r, h * G + g, t0 / kKeyChunk);
-      p[1] = softmax_partial(sc, n, p[0]);
+      p[1] = softmax_partial(sp[(r - r0) * G + g], nr, p[0]);
+      op[(r - r0) * G + g] = p + 2;
     }
-    constexpr int64_t kHeads = NV == 4 ? 4 : 2;
-    for (int64_t g = 0; g < G; g += kHeads) {
-      const float* sc[kHeads];
-      float* outp[kHeads];
-      const int64_t nh = std::min(kHeads, G - g);
-      for (int64_t i = 0; i < nh; ++i) {
-        sc[i] = &scores[(r * G + g + i) * CH];
-        outp[i] = part.at(b0 + r, h * G + g + i, t0 / kKeyChunk) + 2;
-      }
-      switch (nh) {
-        case 1: weighted_values<NV, 1>(vf, sc, n, outp); break;
-        case 2: weighted_values<NV, 2>(vf, sc, n, outp); break;
-        case 3: if constexpr (kHeads >= 3) weighted_values<NV, 3>(vf, sc, n, outp); break;
-        default: if constexpr (kHeads >= 4) weighted_values<NV, 4>(vf, sc, n, outp); break;
-      }
-    }
+  }
+  if (L0 + r0 >= t1) {  // every row reaches all n keys: the queries of all rows together
+    weighted_values_of<NV>(vf, sp.data(), Q, n, op.data());
+  } else {
+    for (int64_t r = r0; r < R; ++r)
+      weighted_values_of<NV>(vf, sp.data() + (r - r0) * G, G, std::min(t1, L0 + r) - t0, op.data() + (r - r0) * G);
   }
 }
 

@@ -12,24 +12,29 @@
 namespace tm_paged {
 
 // Runs of rows [start, end) that share a block table with lengths rising by one (a verification),
-// cut so that there are at least `min_tasks` (run, kv head) tasks where rows allow.
+// cut so that there are at least `min_tasks` (run, kv head, key chunk) tasks where rows allow.
 std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* tables, const int64_t* lens, int64_t B,
                                                   int64_t max_blocks, int64_t BS, int64_t Hkv, int64_t min_tasks) {
-  constexpr int64_t kMaxRun = 16;
+  constexpr int64_t kMaxRun = 32;
   std::vector<std::pair<int64_t, int64_t>> runs;
   for (int64_t b = 0; b < B;) {
     int64_t e = b + 1;
     while (e < B && lens[e] == lens[e - 1] + 1 &&
            std::equal(tables + e * max_blocks, tables + e * max_blocks + (lens[e] + BS - 1) / BS, tables + b * max_blocks))
       ++e;
-    // runs of at most kMaxRun rows, of even sizes (17 rows: 9 + 8, not 16 + 1, which left one
-    // thread the whole 16-row run while the other ran the single row)
+    // runs of at most kMaxRun rows, of even sizes (33 rows: 17 + 16, not 32 + 1, which would leave
+    // one thread the whole 32-row run while the other ran the single row)
     const int64_t parts = (e - b + kMaxRun - 1) / kMaxRun;
     for (int64_t i = 0; i < parts; ++i)
       runs.emplace_back(b + (e - b) * i / parts, b + (e - b) * (i + 1) / parts);
     b = e;
   }
-  for (bool cut = true; cut && static_cast<int64_t>(runs.size()) * Hkv < min_tasks;) {
+  auto tasks = [&] {
+    int64_t n = 0;
+    for (auto [a, e] : runs) n += Hkv * key_chunks(lens[e - 1]);
+    return n;
+  };
+  for (bool cut = true; cut && tasks() < min_tasks;) {
     cut = false;
     std::vector<std::pair<int64_t, int64_t>> halves;
     for (auto [a, e] : runs) {
@@ -46,6 +51,12 @@ std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* tables, const i
   return runs;
 }
 
+struct Scratch {  // a thread's buffers, reused across its tasks
+  std::vector<float> scores, kvf;
+  std::vector<int32_t> qbuf;
+  std::vector<__m512i> kt;
+};
+
 // bf16 queries and outputs, head_dim = 16 * NV (64 -> 4, 128 -> 8), a cache of C.
 template <int NV, typename C>
 void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const PagedKV<C>& kv,
@@ -59,14 +70,13 @@ void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const Pag
   for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + key_chunks(seq_lens[b]);
   const int64_t stride = D + 2;
   // one (row run, kv head, chunk) and its partials: `part` is this run's own or the shared buffer
-  auto chunk = [&](int64_t b, int64_t b_end, int64_t h, int64_t t0, Partials& part, std::vector<float>& scores,
-                   std::vector<__m512>& qbuf, std::vector<float>& kvf) {
+  auto chunk = [&](int64_t b, int64_t b_end, int64_t h, int64_t t0, Partials& part, Scratch& s) {
     const int64_t* table = block_tables + b * max_blocks;
     if (b_end - b == 1 && G <= 8) {
-      scores.resize(G * kKeyChunk);
+      s.scores.resize(G * kKeyChunk);
       auto one = [&](auto g_tag) {
         row_chunk<NV, decltype(g_tag)::value, C>(q, kv, table, seq_lens[b], b, h, H, row, BS, t0, scale, part,
-                                                 scores.data());
+                                                 s.scores.data());
       };
       switch (G) {
         case 1: one(std::integral_constant<int, 1>{}); break;
@@ -79,8 +89,8 @@ void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const Pag
         default: one(std::integral_constant<int, 8>{}); break;
       }
     } else {
-      chunk_partials<NV, C>(q, kv, table, seq_lens, b, b_end - b, h, H, G, row, BS, t0, scale, part, scores, qbuf,
-                            kvf);
+      chunk_partials<NV, C>(q, kv, table, seq_lens, b, b_end - b, h, H, G, row, BS, t0, scale, part, s.scores, s.qbuf,
+                            s.kvf, s.kt);
     }
   };
   // Many rows (a prefill through this kernel): a task per (run, kv head) runs all its chunks into a
@@ -90,8 +100,8 @@ void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const Pag
   if (static_cast<int64_t>(runs.size()) * Hkv >= 4 * at::get_num_threads() &&
       first[B] * H * stride * 4 > (8 << 20)) {
     at::parallel_for(0, static_cast<int64_t>(runs.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, kvf, local;
-      std::vector<__m512> qbuf;
+      Scratch s;
+      std::vector<float> local;
       for (int64_t task = begin; task < end; ++task) {
         // runs taken from both ends in turn: a prompt's later rows see more keys, and each thread
         // gets a contiguous range of tasks
@@ -101,7 +111,7 @@ void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const Pag
         local.resize((first[b_end] - first[b]) * G * stride);
         Partials part{local.data(), first.data(), G, stride, first[b], h * G};
         for (int64_t c = 0; c < key_chunks(seq_lens[b_end - 1]); ++c)
-          chunk(b, b_end, h, c * kKeyChunk, part, scores, qbuf, kvf);
+          chunk(b, b_end, h, c * kKeyChunk, part, s);
         for (int64_t r = b; r < b_end; ++r)
           for (int64_t g = 0; g < G; ++g)
             combine_partials<NV>(out + (r * H + h * G + g) * D, part, r, h * G + g, key_chunks(seq_lens[r]));
@@ -116,16 +126,14 @@ void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const Pag
   std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[B * Hkv]);
   for (int64_t i = 0; i < B * Hkv; ++i) done[i].store(0, std::memory_order_relaxed);
   at::parallel_for(0, task_start.back(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> kvf;
-    std::vector<__m512> qbuf;
+    Scratch s;
     size_t ri = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
     for (int64_t task = begin; task < end; ++task) {
       while (task >= task_start[ri + 1]) ++ri;
       const auto [b, b_end] = runs[ri];
       const int64_t local = task - task_start[ri], chunks = key_chunks(seq_lens[b_end - 1]);
       const int64_t h = local / chunks, t0 = local % chunks * kKeyChunk;
-      chunk(b, b_end, h, t0, part, scores, qbuf, kvf);
+      chunk(b, b_end, h, t0, part, s);
       for (int64_t r = std::max<int64_t>(b, b + t0 - seq_lens[b] + 1); r < b_end; ++r) {
         const int64_t n = key_chunks(seq_lens[r]);
         if (done[r * Hkv + h].fetch_add(1, std::memory_order_acq_rel) + 1 == n)  // the row's last chunk: combine
