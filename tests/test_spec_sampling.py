@@ -3,8 +3,10 @@
 A repetitive prompt makes the n-gram proposer draft at every step. For 2000 seeded requests with
 and without speculation, the first token and the fourth token (which follows verified drafts)
 are compared with Pearson's chi-square test of homogeneity at significance 0.001, for temperature
-1 and for top-p 0.9. The same test flags a run whose acceptance rule is deliberately biased
-(every draft kept), so it can fail.
+1 and for top-p 0.9. Both engines run bf16 with `batch_invariant=True` (the GGUF's packed weights):
+a verification row's logits are then bit for bit a plain decode row's, so both sample from exactly
+the same distributions, at a third of fp32's time. The same test flags a run whose acceptance
+rule is deliberately biased (every draft kept), so it can fail.
 """
 
 from __future__ import annotations
@@ -25,8 +27,7 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3
 # (not 9, as with 22 tokens): the statistics are about the sampler, not the prompt's length.
 PROMPT = "a b c d e " * 6 + "a b c"
 N = 2000
-ARGS = dict(dtype="float32", quantization="none", kv_cache_memory="256MiB", max_model_len=128, max_num_seqs=128,
-            progress=False)
+ARGS = dict(batch_invariant=True, kv_cache_memory="256MiB", max_model_len=128, max_num_seqs=128, progress=False)
 
 
 def homogeneity(a: Counter, b: Counter, min_expected: float = 5.0) -> tuple[float, int]:
