@@ -123,7 +123,7 @@ void row_chunk(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table
   chunk_scores<NV>(qp, G, kt, n, sv, sp);
   for (int g = 0; g < G; ++g) {
     float* p = part.at(b, h * G + g, t0 / kKeyChunk);
-    p[1] = softmax_partial(sp[g], n, p[0]);
+    p[1] = softmax_chunk(sp[g], n, p[0]);
   }
   __m512 acc[G][NV];
   for (int g = 0; g < G; ++g)
@@ -188,11 +188,23 @@ void weighted_values_of(const float* vf, const float* const* p, int64_t nq, int6
 // staged keys (chunk_scores), the weighted values of up to 4 heads at once (independent FMA
 // chains); per score and per output lane the same operations in the same order as row_chunk, so a
 // row's result is bit for bit that of the row alone.
+struct Scratch {  // a thread's buffers, reused across its tasks
+  std::vector<float> scores, kvf;
+  std::vector<int32_t> qbuf;
+  std::vector<__m512i> kt;
+  std::vector<const int32_t*> qp;
+  std::vector<float*> sp, op;
+};
+
 template <int NV, typename C>
 void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table, const int64_t* seq_lens,
                     int64_t b0, int64_t R, int64_t h, int64_t H, int64_t G, int64_t row, int64_t BS, int64_t t0,
-                    float scale, Partials& part, std::vector<float>& scores, std::vector<int32_t>& qbuf,
-                    std::vector<float>& kvf, std::vector<__m512i>& kt) {
+                    float scale, Partials& part, Scratch& s) {
+  auto &scores = s.scores, &kvf = s.kvf;
+  auto& qbuf = s.qbuf;
+  auto& kt = s.kt;
+  auto& qp = s.qp;
+  auto &sp = s.sp, &op = s.op;
   constexpr int64_t D = 16 * NV;
   const int64_t Hkv = row / D;
   const int64_t L0 = seq_lens[b0], Lmax = seq_lens[b0 + R - 1];
@@ -204,8 +216,9 @@ void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* 
   kvf.resize(kKeyChunk * D);
   kt.resize(kKeyChunk / 16 * 8 * NV);
   float* sv = scores.data() + Q * kKeyChunk;
-  std::vector<const int32_t*> qp(Q);
-  std::vector<float*> sp(Q);
+  qp.resize(Q);
+  sp.resize(Q);
+  op.resize(Q);
   for (int64_t i = 0; i < Q; ++i) {
     query_pairs<NV>(q + ((b0 + r0 + i / G) * H + h * G + i % G) * D, &qbuf[i * 8 * NV]);
     qp[i] = &qbuf[i * 8 * NV];
@@ -222,12 +235,11 @@ void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* 
     const float s = slot_scale<C>(kv.vs, slots[t - t0], Hkv, h);
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(vf + (t - t0) * D + 16 * j, kv16(src + 16 * j, s));
   }
-  std::vector<float*> op(Q);
   for (int64_t r = r0; r < R; ++r) {
     const int64_t nr = std::min(t1, L0 + r) - t0;  // the keys this row reaches
     for (int64_t g = 0; g < G; ++g) {
       float* p = part.at(b0 + r, h * G + g, t0 / kKeyChunk);
-      p[1] = softmax_partial(sp[(r - r0) * G + g], nr, p[0]);
+      p[1] = softmax_chunk(sp[(r - r0) * G + g], nr, p[0]);
       op[(r - r0) * G + g] = p + 2;
     }
   }

@@ -51,12 +51,6 @@ std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* tables, const i
   return runs;
 }
 
-struct Scratch {  // a thread's buffers, reused across its tasks
-  std::vector<float> scores, kvf;
-  std::vector<int32_t> qbuf;
-  std::vector<__m512i> kt;
-};
-
 // bf16 queries and outputs, head_dim = 16 * NV (64 -> 4, 128 -> 8), a cache of C.
 template <int NV, typename C>
 void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const PagedKV<C>& kv,
@@ -89,8 +83,7 @@ void decode_attention_avx512(at::BFloat16* out, const at::BFloat16* q, const Pag
         default: one(std::integral_constant<int, 8>{}); break;
       }
     } else {
-      chunk_partials<NV, C>(q, kv, table, seq_lens, b, b_end - b, h, H, G, row, BS, t0, scale, part, s.scores, s.qbuf,
-                            s.kvf, s.kt);
+      chunk_partials<NV, C>(q, kv, table, seq_lens, b, b_end - b, h, H, G, row, BS, t0, scale, part, s);
     }
   };
   // Many rows (a prefill through this kernel): a task per (run, kv head) runs all its chunks into a
