@@ -137,6 +137,10 @@ def test_ngram_drafts_as_many_as_the_match_is_long():
     # the longest n-gram (up to n_max) wins over a more recent shorter one, as without the factor
     t = np.array([1, 2, 3, 4, 9, 9, 1, 2, 3, 5, 6, 0, 2, 3])
     assert ngram_drafts(t, 3, 2, 4, spec_factor=1.0) == [5, 6]
+    # past n_max too: an older copy agreeing 8 tokens back beats a recent repeat of the last 4
+    t = np.array([5, 6, 7, 8, 1, 2, 3, 4, 20, 21, 22, 9, 9, 1, 2, 3, 4, 30, 31, 5, 6, 7, 8, 1, 2, 3, 4])
+    assert ngram_drafts(t, 16, 2, 4, spec_factor=1.0) == [20, 21, 22, 9, 9, 1, 2, 3]
+    assert ngram_drafts(t, 16, 2, 4) == [30, 31, 5, 6, 7, 8, 1, 2, 3, 4]  # no factor: the most recent 4-gram
 
 
 def test_a_draft_with_no_mass_outside_a_subset_is_corrected_to_p():

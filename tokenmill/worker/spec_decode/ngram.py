@@ -1,7 +1,10 @@
 """N-gram (prompt lookup) proposer: no extra model. The last n tokens (n from prompt_lookup_max
 down to prompt_lookup_min) are looked up earlier in the request's prompt and output; the tokens
 that followed their most recent occurrence are the drafts. Strong where output repeats input
-(editing or summarizing a given text, code).
+(editing or summarizing a given text, code). With `spec_factor`, of the occurrences the one that
+agrees furthest back wins, the most recent of equals: an output copying its input matches the
+input's passage for many tokens and a recent chance repeat of the last few only for those (on the
+code-edit benchmark, 16 prompts, mean accepted length 4.93 -> 5.57, BENCHMARKS.md).
 
 How many to draft: a long match is likely to go on, a short one is a guess, and every draft costs
 a row of the verification pass. With `spec_factor` the drafts are at most spec_factor x the match's
@@ -36,11 +39,11 @@ def ngram_drafts(tokens: np.ndarray, k: int, n_min: int, n_max: int, spec_factor
             break
         matched += ok
         alive = ok
-    # the most recent occurrence of the longest n-gram up to n_max (the lookup's usual rule)
-    n = min(int(matched.max()), n_max)
-    if n < n_min:
+    # the occurrence that agrees furthest back, the most recent of equals (without a factor, the
+    # lookup's usual rule: the most recent occurrence of the longest n-gram up to n_max)
+    best = len(matched) - 1 - int(np.argmax(matched[::-1]))
+    if matched[best] < n_min:
         return []
-    best = int(np.flatnonzero(matched >= n)[-1])
     num = k if not spec_factor else max(1, min(k, int(spec_factor * int(matched[best]))))
     start = int(hits[best]) + 1
     return tokens[start:start + num].tolist()
