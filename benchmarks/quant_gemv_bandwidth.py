@@ -28,6 +28,9 @@ SHAPES = {  # name: (format, N, K)
     "qwen1.5b gate_up": ("Q4_K", 17920, 1536),
     "qwen1.5b down": ("Q6_K", 1536, 8960),
     "qwen1.5b lm_head": ("Q6_K", 151936, 1536),
+    "qwen0.5b gate_up i4": ("I4_G128", 9728, 896),
+    "qwen0.5b down i4": ("I4_G128", 896, 4864),
+    "qwen0.5b qkv i4": ("I4_G128", 1152, 896),
 }
 
 

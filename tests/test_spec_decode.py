@@ -215,6 +215,19 @@ def test_draft_model_greedy_identical_to_no_speculation(reference_fp32, smol_pat
         gc.collect()
 
 
+def test_draft_stops_after_its_first_unlikely_token(reference_fp32, tiny_llama_dir):
+    """A random draft gives every token well under p_min 0.99: each proposal is the first pass's
+    guess alone (proposed, then no more passes), and the output stays the target's."""
+    prompts, ref = reference_fp32
+    spec = f'{{"model": "{tiny_llama_dir}", "num_speculative_tokens": 3, "draft_p_min": 0.99, "adaptive": false}}'
+    llm = LLM(dtype="float32", quantization="none", speculative_config=spec, progress=False, **BASE)
+    outs = _run(llm, prompts[:8])
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref[:8]]
+    stats = llm.engine.core.stats().spec_decoding
+    assert stats.num_drafts > 0 and stats.num_draft_tokens == stats.num_drafts
+    _check_clean(llm)
+
+
 def test_draft_with_another_vocabulary_is_refused():
     from tokenmill.model.loader import resolve_model
 

@@ -31,8 +31,8 @@ class SpeculativeConfig:
         "\"max_spec_factor\" (n-gram, default 1.0): draft at most this many times the match's length in tokens "
         "(up to num_speculative_tokens; null: always num_speculative_tokens); \"quantization\" (draft model): "
         "\"int4\" quantizes the draft's weights to int4 at load (a GGUF draft: its layers stored wider than 5 "
-        "bits per weight), a faster draft for slightly worse guesses; \"draft_p_min\" (draft model, default 0.75, "
-        "llama.cpp's --draft-p-min): a draft stops at a token its model gives less than this probability; "
+        "bits per weight), a faster draft for slightly worse guesses; \"draft_p_min\" (draft model, default 0.85, "
+        "as llama.cpp's --draft-p-min): a draft stops after a token its model gives less than this probability; "
         "\"draft_vocab_size\" (draft model; default \"auto\": 32768 of a vocabulary over 65536 tokens; null: "
         "the whole vocabulary): the draft's LM head scores only this many most frequent tokens (the lowest BPE "
         "ids) and the special tokens, the target still verifies with all of them. Default: off.")
@@ -89,7 +89,7 @@ class SpeculativeConfig:
         if self.draft_quantization and method != "draft_model":
             raise ConfigError("speculative_config: quantization applies to a draft model only",
                               param="speculative_config")
-        self.draft_p_min = raw.get("draft_p_min", 0.75 if method == "draft_model" else None)
+        self.draft_p_min = raw.get("draft_p_min", 0.85 if method == "draft_model" else None)
         p = self.draft_p_min
         if p is not None and (method != "draft_model" or isinstance(p, bool) or not isinstance(p, int | float)
                               or not 0 <= p < 1):

@@ -6,9 +6,10 @@ how far the draft's KV goes (`draft_num_computed`; it moves back with rejections
 preemption). A proposal first feeds the draft every token it has not seen (the accepted tokens,
 or the whole prompt the first time) and takes its argmax, then feeds each draft token to get the
 next: 1 + (k - 1) forward passes of the draft per step, all requests batched. A request's drafts
-stop at a token the draft gives less than `p_min` (llama.cpp's --draft-p-min): an unlikely guess
-is likely rejected, and each draft costs a draft pass and a verification row (on code, 0.75 cut a
-k = 8 step's wasted work without losing accepted tokens; BENCHMARKS.md). The scheduler reserves k
+stop after a token the draft gives less than `p_min` (as llama.cpp's --draft-p-min, which drops
+that token): the passes after an unlikely guess are likely wasted, but the guess itself has cost
+its pass already and is accepted often enough to be worth its verification row (on code, proposing
+it and p_min 0.85 drafted 1.15x faster than dropping it at 0.75; BENCHMARKS.md). The scheduler reserves k
 lookahead slots for the draft's K/V past the request's tokens; a request whose blocks hold fewer
 gets fewer drafts. With a reduced draft vocabulary (draft_vocab.py) the draft's head scores only
 the most frequent tokens.
@@ -91,10 +92,9 @@ class DraftModelProposer:
             for j, tok in enumerate(tokens.tolist()):
                 i = active[order[j]]
                 states[i].draft_num_computed = rows[order[j]][1] + len(rows[order[j]][0])
-                if self.p_min > 0 and not keep[j]:
-                    budget[i] = step  # no more drafts for this request
-                    continue
                 drafts[i].append(tok)
+                if self.p_min > 0 and not keep[j]:
+                    budget[i] = step + 1  # the request's last draft
             if step == 0 and max(layout.query_lens) > self.k + 1:
                 self.prefill_seconds += time.perf_counter() - t0
         return drafts
