@@ -65,7 +65,7 @@ def test_greedy_identical_with_a_reduced_draft_vocabulary(vocab_size, smol_path)
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
     spec = f'{{"model": "{smol_path}", "num_speculative_tokens": 4, "draft_vocab_size": {vocab_size}, ' \
-           f'"draft_p_min": 0}}'
+           f'"draft_p_min": 0, "adaptive": false}}'
     llm = LLM(speculative_config=spec, **args)
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert outs == ref

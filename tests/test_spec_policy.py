@@ -138,3 +138,25 @@ def test_draft_length_costs_are_forgotten_with_the_request_that_measured_them():
         p.speculate(1, admitted=(1, 1))
         p.observe(1, n > 0, early[1 + n] / 1e3, 1 + n, 1 + n, n)  # every draft kept
     assert p.draft_length(1, 8) == 8
+
+
+def _timed(policy: SpecPolicy, num_running: int, on_s: float, off_s: float, steps: int = 100) -> float:
+    """Steps of the given lengths (a verification yields 3 tokens per request); returns the fraction
+    of steps that speculated."""
+    on = 0
+    for _ in range(steps):
+        s = policy.speculate(num_running)
+        on += s
+        policy.observe(num_running, s, on_s if s else off_s, num_running * (3 if s else 1))
+    return on / steps
+
+
+def test_a_draft_model_tries_speculation_only_where_rows_are_nearly_free():
+    """A draft model's try first catches up over every token decoded without it, so with several
+    requests it is tried only where a plain step costs at most twice a one-request step."""
+    p = SpecPolicy(costly_tries=True)
+    assert _timed(p, 16, on_s=0.1, off_s=0.062) == 0  # no one-request step measured yet
+    assert _timed(p, 1, on_s=0.03, off_s=0.018) > 0.9
+    assert _timed(p, 16, on_s=0.1, off_s=0.062) == 0  # 16 rows cost 3.4x one: never tried
+    assert _timed(p, 4, on_s=0.045, off_s=0.029) > 0.8  # 4 rows cost 1.6x one: tried, and it pays
+    assert _timed(SpecPolicy(), 16, on_s=0.1, off_s=0.062) > 0.9  # n-gram tries are cheap: tried

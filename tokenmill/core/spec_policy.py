@@ -30,6 +30,15 @@ While prompts wait or are still prefilling, nobody drafts: such steps are comput
 GEMMs are dense), so a draft costs as much as a prompt token, takes its place in the token budget,
 and a rejected one is lost work (at concurrency 16 and 64 that cost 4-7% of throughput).
 
+A draft model's tries are costly: a try drafts from where the draft model stopped, so it first
+catches up over every token decoded without it (at 16 requests of Qwen2.5-Coder-1.5B, ~0.5 s of
+draft prefill per try, where a plain step takes 62 ms: tries and the first measurement cost 11% of
+a 10-second run). So with a draft model (`costly_tries`), a bucket of several requests starts
+without speculation, and tries it only where its plain step costs at most twice a one-request
+plain step (`cheap_rows`: extra rows are still nearly free, as verification rows need; at 16
+requests a step costs 3.4x one request's, at 2-8 requests 1.5-1.9x). The one-request step time
+is kept across requests: it is the machine's, not the batch's.
+
 How far, at one stream (`DraftLength`): a verification's cost is not proportional to its rows (the
 packed kernels work in tiles of 8 activation rows: on a 2-core Xeon 16 rows of SmolLM2 cost 42 ms,
 15 rows 48 and 17 rows 54), so the proposer's drafts are cut to the length that gives the most
@@ -82,7 +91,10 @@ class DraftLength:
 
 class SpecPolicy:
     def __init__(self, explore_every: int = 16, alpha: float = 0.2, max_explore_every: int = 64,
-                 margin: float = 0.05):
+                 margin: float = 0.05, costly_tries: bool = False, cheap_rows: float = 2.0):
+        self.costly_tries, self.cheap_rows = costly_tries, cheap_rows
+        self.plain_seconds: dict[int, float] = {}  # bucket -> a step's seconds without speculation
+        self.one_request_seconds: float | None = None  # a plain step of one request (never forgotten)
         self.explore_every = explore_every
         self.margin = margin
         self.max_explore_every = max_explore_every
@@ -117,6 +129,7 @@ class SpecPolicy:
                 d.pop(b, None)
             for on in (True, False):
                 self.rate.pop((b, on), None)
+            self.plain_seconds.pop(b, None)
             if b == self.bucket(1):
                 self.length.forget_costs()
 
@@ -129,6 +142,8 @@ class SpecPolicy:
         if prefill_pending:
             return False
         b = self.bucket(num_running)
+        if self.costly_tries and num_running > 1 and not self._rows_cheap(b):
+            return False
         best = self.best(b)
         if best is None:
             if (b, True) not in self.rate and self._larger_bucket_choice(b) is False:
@@ -144,6 +159,10 @@ class SpecPolicy:
         self.wait[b] = 0
         return not best
 
+    def _rows_cheap(self, b: int) -> bool:
+        plain, one = self.plain_seconds.get(b), self.one_request_seconds
+        return plain is not None and one is not None and plain <= self.cheap_rows * one
+
     def draft_length(self, num_running: int, offered: int) -> int:
         return self.length.best(offered) if num_running == 1 else offered
 
@@ -156,14 +175,19 @@ class SpecPolicy:
             self.length.observe(num_rows, elapsed, num_drafts, num_output_tokens)
         b = self.bucket(num_running)
         self.last_batch[b] = self._newest
+        if not speculated:
+            self.plain_seconds[b] = self._average(self.plain_seconds.get(b), elapsed)
+            if num_running == 1:
+                self.one_request_seconds = self._average(self.one_request_seconds, elapsed)
         before = self.best(b)
         key = (b, speculated)
-        rate = num_output_tokens / elapsed
-        old = self.rate.get(key)
-        self.rate[key] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
+        self.rate[key] = self._average(self.rate.get(key), num_output_tokens / elapsed)
         if self.trying.get(b) == speculated:  # a try's result: back off if it confirmed the choice
             del self.trying[b]
             kept = self.best(b) == before
             interval = self.interval.get(b, self.explore_every)
             self.interval[b] = min(2 * interval, self.max_explore_every) if kept else self.explore_every
             self.wait[b] = self.interval[b]
+
+    def _average(self, old: float | None, value: float) -> float:
+        return value if old is None else (1 - self.alpha) * old + self.alpha * value

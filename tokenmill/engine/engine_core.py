@@ -43,7 +43,8 @@ class EngineCore:
                                    sc.scheduling_policy, sc.priority_aging,
                                    num_lookahead_slots=spec.num_lookahead_slots if spec.enabled else 0,
                                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec.enabled else None,
-                                   spec_policy=SpecPolicy() if spec.enabled and spec.adaptive else None)
+                                   spec_policy=SpecPolicy(costly_tries=spec.method == "draft_model")
+                                   if spec.enabled and spec.adaptive else None)
         self.num_steps = 0
         self.num_received = 0  # sequences added, reported with the stats (the front end's load)
         self._draft_seconds = 0.0  # the last step's drafting, for the step that verifies it
