@@ -131,13 +131,10 @@ class Scheduler:
         # drafts present were asked for by the policy last step (or are a seeded request's): verify them;
         # whether to draft for the next step is decided now, so that a step without speculation drafts nothing
         propose = speculate
-        if speculate and self.spec_policy is not None and not self.running:
-            propose = False  # only prompts to start: nobody drafts while prompts prefill
-        elif speculate and self.spec_policy is not None:
-            seqs = [r.admit_seq for r in self.running]
-            propose = self.spec_policy.speculate(len(self.running),
-                                                 bool(self.waiting) or any(r.is_prefilling for r in self.running),
-                                                 (min(seqs), max(seqs)))
+        if speculate and self.spec_policy is not None:
+            seqs = [r.admit_seq for r in self.running]  # none: only prompts to start, which do not draft
+            propose = bool(seqs) and self.spec_policy.speculate(
+                len(seqs), bool(self.waiting) or any(r.is_prefilling for r in self.running), (min(seqs), max(seqs)))
 
         # 1. running: decodes before chunks of unfinished prefills, each group in admission order
         #    (by rank under the priority policy)

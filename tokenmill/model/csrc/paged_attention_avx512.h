@@ -199,12 +199,8 @@ struct Scratch {  // a thread's buffers, reused across its tasks
 template <int NV, typename C>
 void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table, const int64_t* seq_lens,
                     int64_t b0, int64_t R, int64_t h, int64_t H, int64_t G, int64_t row, int64_t BS, int64_t t0,
-                    float scale, Partials& part, Scratch& s) {
-  auto &scores = s.scores, &kvf = s.kvf;
-  auto& qbuf = s.qbuf;
-  auto& kt = s.kt;
-  auto& qp = s.qp;
-  auto &sp = s.sp, &op = s.op;
+                    float scale, Partials& part, Scratch& scratch) {
+  auto& [scores, kvf, qbuf, kt, qp, sp, op] = scratch;
   constexpr int64_t D = 16 * NV;
   const int64_t Hkv = row / D;
   const int64_t L0 = seq_lens[b0], Lmax = seq_lens[b0 + R - 1];

@@ -8,8 +8,8 @@ or the whole prompt the first time) and takes its argmax, then feeds each draft 
 next: 1 + (k - 1) forward passes of the draft per step, all requests batched. A request's drafts
 stop after a token the draft gives less than `p_min` (as llama.cpp's --draft-p-min, which drops
 that token): the passes after an unlikely guess are likely wasted, but the guess itself has cost
-its pass already and is accepted often enough to be worth its verification row (on code, proposing
-it and p_min 0.85 drafted 1.15x faster than dropping it at 0.75; BENCHMARKS.md). The scheduler reserves k
+its pass already and is accepted often enough to be worth its verification row (on code, k = 8:
+proposing it drafted 1.03-1.05x faster than dropping it; BENCHMARKS.md). The scheduler reserves k
 lookahead slots for the draft's K/V past the request's tokens; a request whose blocks hold fewer
 gets fewer drafts. With a reduced draft vocabulary (draft_vocab.py) the draft's head scores only
 the most frequent tokens.
