@@ -41,6 +41,7 @@ def serve_until_exit(*args: str, env: dict | None = None, timeout: float = 120.0
     except subprocess.TimeoutExpired:
         srv.stop(signal.SIGKILL)
         raise AssertionError(f"the server did not exit within {timeout}s:\n{srv.log()}") from None
+    srv.stop()  # it has exited: this keeps its log and removes the file
     return code, srv.log()
 
 

@@ -125,15 +125,19 @@ def test_sigterm_with_64_streams_in_flight():
             assert last["choices"][0]["finish_reason"] == "length"
             finished += 1
     assert len(results) == 64 and finished and cut, (finished, cut)
+    srv.stop()  # it has exited: keeps its log, removes the file
     assert "Traceback" not in srv.log()
 
 
 def test_idle_sigterm_exits_at_once():
     srv = ServerProcess().wait_ready()
-    t0 = time.monotonic()
-    srv.proc.send_signal(signal.SIGTERM)
-    assert srv.proc.wait(30) == 0
-    assert time.monotonic() - t0 < 5, srv.log()
+    try:
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0
+        assert time.monotonic() - t0 < 5, srv.log()
+    finally:
+        srv.stop()
 
 
 def _own_builds(cache) -> list:

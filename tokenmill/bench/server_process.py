@@ -16,12 +16,15 @@ from tokenmill.utils.net import free_port, wait_healthy
 
 class ServerProcess:
     """`tokenmill <command> --port P *args`, its output in a log file (`log_path`, a temporary file
-    unless given). Use as a context manager, or call `wait_ready` and `stop`."""
+    unless given, read into memory and removed by `stop`). Use as a context manager, or call
+    `wait_ready` and `stop`."""
 
     def __init__(self, *args: str, command: str = "serve", env: dict | None = None, port: int | None = None,
                  log_path: str | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self._own_log = log_path is None
+        self._final_log: str | None = None  # an own log's text once stop() removed the file
         if log_path is None:
             log_path = tempfile.NamedTemporaryFile(prefix=f"tokenmill-{command}-", suffix=".log", delete=False).name
         self.log_path = log_path
@@ -34,6 +37,8 @@ class ServerProcess:
         return self.url + "/v1"
 
     def log(self) -> str:
+        if self._final_log is not None:
+            return self._final_log
         with open(self.log_path) as f:
             return f.read()
 
@@ -46,7 +51,11 @@ class ServerProcess:
         try:
             wait_healthy(self.url, exited, timeout)
         except TimeoutError as e:
+            self.stop()  # a server that never became ready is not left running
             raise TimeoutError(f"{e}:\n{self.log()}") from None
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60.0) -> int:
@@ -57,6 +66,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._own_log and self._final_log is None:
+            self._final_log = self.log()
+            os.unlink(self.log_path)
         return self.proc.returncode
 
     def metrics(self) -> dict[str, float]:
@@ -69,11 +81,7 @@ class ServerProcess:
         return out
 
     def __enter__(self) -> ServerProcess:
-        try:
-            return self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
+        return self.wait_ready()
 
     def __exit__(self, *exc) -> None:
         self.stop()
