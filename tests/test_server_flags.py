@@ -77,25 +77,28 @@ def test_request_timeout_aborts():
 
 def test_graceful_shutdown_lets_the_stream_finish():
     srv = ServerProcess("--shutdown-grace", "60").wait_ready()
-    lines: list[str] = []
+    try:
+        lines: list[str] = []
 
-    def stream():
-        body = {"prompt": "Describe the sea.", "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=120) as r:
-            lines.extend(line for line in r.iter_lines() if line)
+        def stream():
+            body = {"prompt": "Describe the sea.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with httpx.stream("POST", srv.base_url + "/completions", json=body, timeout=120) as r:
+                lines.extend(line for line in r.iter_lines() if line)
 
-    t = threading.Thread(target=stream)
-    t.start()
-    while not srv.metrics().get("tokenmill:num_requests_running"):
-        time.sleep(0.05)
-    srv.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    late = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2})
-    assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
-    assert httpx.get(srv.url + "/ready").status_code == 503
-    t.join(120)
-    assert srv.proc.wait(60) == 0
-    assert lines[-1] == "data: [DONE]"
-    texts = [json.loads(line[6:]) for line in lines[:-1]]
-    assert texts[-1]["choices"][0]["finish_reason"] == "length"
-    assert sum(1 for x in texts if x["choices"][0]["text"]) >= 50
+        t = threading.Thread(target=stream)
+        t.start()
+        while not srv.metrics().get("tokenmill:num_requests_running"):
+            time.sleep(0.05)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        late = post(srv, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert late.status_code == 503 and late.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(srv.url + "/ready").status_code == 503
+        t.join(120)
+        assert srv.proc.wait(60) == 0
+        assert lines[-1] == "data: [DONE]"
+        texts = [json.loads(line[6:]) for line in lines[:-1]]
+        assert texts[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(1 for x in texts if x["choices"][0]["text"]) >= 50
+    finally:
+        srv.stop()

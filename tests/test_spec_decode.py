@@ -186,6 +186,8 @@ def test_drafts_stay_within_max_tokens():
     ('{"model": "x", "num_speculative_tokens": 2, "draft_vocab_size": "big"}', "draft_vocab_size"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft_vocab_size": 1024}', "draft_vocab_size"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "draft_p_min": 0.5}', "draft_p_min"),
+    ('{"model": "x", "num_speculative_tokens": 2, "draft_lookup_min": -1}', "draft_lookup_min"),
+    ('{"method": "ngram", "num_speculative_tokens": 2, "draft_lookup_min": 4}', "draft_lookup_min"),
 ])
 def test_bad_speculative_config_is_a_clear_error(bad, match):
     from tokenmill.config import EngineConfig
@@ -220,13 +222,35 @@ def test_draft_stops_after_its_first_unlikely_token(reference_fp32, tiny_llama_d
     """A random draft gives every token well under p_min 0.99: each proposal is the first pass's
     guess alone (proposed, then no more passes), and the output stays the target's."""
     prompts, ref = reference_fp32
-    spec = f'{{"model": "{tiny_llama_dir}", "num_speculative_tokens": 3, "draft_p_min": 0.99, "adaptive": false}}'
+    spec = (f'{{"model": "{tiny_llama_dir}", "num_speculative_tokens": 3, "draft_p_min": 0.99, "adaptive": false, '
+            f'"draft_lookup_min": 0}}')
     llm = LLM(dtype="float32", quantization="none", speculative_config=spec, progress=False, **BASE)
     outs = _run(llm, prompts[:8])
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref[:8]]
     stats = llm.engine.core.stats().spec_decoding
     assert stats.num_drafts > 0 and stats.num_draft_tokens == stats.num_drafts
     _check_clean(llm)
+
+
+def test_a_draft_model_drafts_by_prompt_lookup_where_the_text_repeats(reference_fp32, tiny_llama_dir):
+    """A random draft is almost never right; with lookup first, the repetitive prompts' matches draft
+    instead, several tokens at a time, and are kept; the output stays the target's either way."""
+    prompts, ref = reference_fp32
+    kept = {}
+    for lookup in (0, 4):
+        spec = (f'{{"model": "{tiny_llama_dir}", "num_speculative_tokens": 3, "draft_p_min": 0.99, '
+                f'"adaptive": false, "draft_lookup_min": {lookup}}}')
+        llm = LLM(dtype="float32", quantization="none", speculative_config=spec, progress=False, **BASE)
+        outs = _run(llm, prompts[:8])
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref[:8]], lookup
+        stats = llm.engine.core.stats().spec_decoding
+        kept[lookup] = stats.num_accepted_tokens
+        if lookup:  # lookup drafts run longer than the model's single guesses (p_min 0.99), up to 16
+            assert stats.num_draft_tokens > stats.num_drafts
+        _check_clean(llm)
+        del llm
+        gc.collect()
+    assert kept[4] > 2 * kept[0] + 8, kept
 
 
 def test_draft_with_another_vocabulary_is_refused():

@@ -16,7 +16,7 @@ SPEC_METHODS = ("ngram", "draft_model")
 DRAFT_VOCAB_SIZE, DRAFT_VOCAB_MIN = 32768, 65536
 _SPEC_KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
               "disable_by_batch_size", "adaptive", "max_spec_factor", "quantization", "draft_p_min",
-              "draft_vocab_size"}
+              "draft_vocab_size", "draft_lookup_min"}
 
 
 @dataclass
@@ -35,7 +35,10 @@ class SpeculativeConfig:
         "as llama.cpp's --draft-p-min): a draft stops after a token its model gives less than this probability; "
         "\"draft_vocab_size\" (draft model; default \"auto\": 32768 of a vocabulary over 65536 tokens; null: "
         "the whole vocabulary): the draft's LM head scores only this many most frequent tokens (the lowest BPE "
-        "ids) and the special tokens, the target still verifies with all of them. Default: off.")
+        "ids) and the special tokens, the target still verifies with all of them; \"draft_lookup_min\" (draft "
+        "model, default 4; 0: off): where a request's last this many tokens occurred before in its prompt or "
+        "output, draft the tokens that followed them (prompt lookup, as the n-gram method) instead of running the "
+        "draft model. Default: off.")
 
     def validate(self) -> None:
         raw = self.speculative_config
@@ -101,6 +104,11 @@ class SpeculativeConfig:
                                                                          or n <= 0)):
             raise ConfigError(f"speculative_config: draft_vocab_size is a positive number of tokens, \"auto\" or "
                               f"null (the whole vocabulary) for a draft model, got {n!r}", param="speculative_config")
+        self.draft_lookup_min = raw.get("draft_lookup_min", 4 if method == "draft_model" else None)
+        n = self.draft_lookup_min
+        if n is not None and (method != "draft_model" or isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ConfigError(f"speculative_config: draft_lookup_min is a number of tokens >= 0 (0: off) for a draft "
+                              f"model, got {n!r}", param="speculative_config")
         self.max_spec_factor = raw.get("max_spec_factor", 1.0)
         f = self.max_spec_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < math.inf):

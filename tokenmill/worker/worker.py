@@ -159,13 +159,15 @@ class Worker:
             model.set_row_tile(ROW_TILE)
         self.weight_bytes += model.weight_bytes
         self.draft_config = cfg
+        lookup = (f"prompt lookup first (a match of {spec.draft_lookup_min}+ tokens drafts instead)"
+                  if spec.draft_lookup_min else "no prompt lookup")
         logger.info("speculative decoding: draft model %s (%s, %.0f MiB of weights) drafts up to %d tokens (while it "
-                    "gives them >= %s); loaded in %.1fs", source.name,
+                    "gives them >= %s), %s; loaded in %.1fs", source.name,
                     quant_config.describe() if quant_config else "not quantized", model.weight_bytes / 2**20,
-                    spec.num_speculative_tokens, spec.draft_p_min or 0, time.monotonic() - t0)
+                    spec.num_speculative_tokens, spec.draft_p_min or 0, lookup, time.monotonic() - t0)
         return DraftModelProposer(model, self.backend, self.config.cache.block_size, spec.num_speculative_tokens,
                                   self.device, self.max_model_len, spec.draft_p_min or 0.0,
-                                  self._draft_vocab(spec, source, cfg))
+                                  self._draft_vocab(spec, source, cfg), spec.draft_lookup_min or 0)
 
     def _draft_vocab(self, spec, source: ModelSource, cfg):
         """The ids the draft's head scores (draft_vocab.py); None: all of them."""

@@ -13,6 +13,12 @@ proposing it drafted 1.03-1.05x faster than dropping it; BENCHMARKS.md). The sch
 lookahead slots for the draft's K/V past the request's tokens; a request whose blocks hold fewer
 gets fewer drafts. With a reduced draft vocabulary (draft_vocab.py) the draft's head scores only
 the most frequent tokens.
+
+Lookup first (`lookup_min`): where a request's last `lookup_min` tokens occurred before in its
+prompt or output, the tokens that followed are its drafts (the n-gram proposer's rule), and the draft
+model does not run for it that step; it catches up on the accepted tokens at its next pass, in one
+row. On work that copies its input (code edits) that drafting is free and long; on new code a match
+of 4 tokens is rare, and it measured alike with and without (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -23,11 +29,17 @@ import numpy as np
 import torch
 
 from tokenmill.worker.request_state import RequestState
+from tokenmill.worker.spec_decode.ngram import ngram_drafts
+
+# a prompt-lookup match drafts as many tokens as it agrees backwards, up to this (or k): a copy of the
+# input goes on for long (on code edits 8 and 16 measured alike, 5 less; BENCHMARKS.md)
+LOOKUP_MAX_DRAFTS = 16
 
 
 class DraftModelProposer:
     def __init__(self, model: torch.nn.Module, backend, block_size: int, k: int, device: torch.device,
-                 max_model_len: int, p_min: float = 0.0, vocab_ids: torch.Tensor | None = None):
+                 max_model_len: int, p_min: float = 0.0, vocab_ids: torch.Tensor | None = None,
+                 lookup_min: int = 0):
         from tokenmill.worker.spec_decode.draft_vocab import ReducedLMHead
 
         self.model = model
@@ -35,6 +47,7 @@ class DraftModelProposer:
         self.vocab_ids = vocab_ids
         self.head = model.compute_logits if vocab_ids is None else ReducedLMHead(model.lm_head, vocab_ids)
         self.p_min = p_min
+        self.lookup_min = lookup_min  # > 0: a prompt-lookup match this long drafts instead of the model
         self.backend = backend
         self.block_size = block_size
         self.k = k
@@ -60,6 +73,12 @@ class DraftModelProposer:
         # the draft writes K/V up to position len(tokens) + k - 2: only within the request's blocks
         budget = [min(self.k, len(s.block_ids) * self.block_size - len(s.token_ids) + 1,
                       self.max_model_len - len(s.token_ids)) for s in states]
+        if self.lookup_min:
+            for i, s in enumerate(states):
+                found = ngram_drafts(np.asarray(s.token_ids, dtype=np.int64), max(self.k, LOOKUP_MAX_DRAFTS),
+                                     self.lookup_min, self.lookup_min, 1.0)
+                if len(found) >= self.lookup_min and budget[i] > 0:
+                    drafts[i], budget[i] = found, 0
         active = [i for i, b in enumerate(budget) if b > 0]
         self.prefill_seconds = 0.0
         for step in range(max((budget[i] for i in active), default=0)):
