@@ -276,3 +276,28 @@ def test_seeded_sampling_with_speculation_is_reproducible_in_any_batch(smol_path
     assert batch[3].outputs[0].token_ids == alone
     assert llm.engine.core.stats().spec_decoding.num_accepted_tokens > 0
     _check_clean(llm)
+
+
+def test_one_stream_hands_the_policys_draft_length_to_the_proposer_ahead():
+    """With a draft model (lookahead slots) the policy's length is known before drafting: a request
+    alone gets it as the proposer's most passes; with two running, drafts are not cut (None)."""
+    from tokenmill.core.spec_policy import SpecPolicy
+
+    policy = SpecPolicy()
+    for _ in range(60):  # only the first draft is ever kept: a short length pays best
+        n = policy.draft_length(1, 4)
+        policy.observe(1, n > 0, (6 + 3 * n) / 1e3, 1 + min(n, 1), 1 + n, n)
+    best = policy.draft_length(1, 4)
+    assert best < 4
+    kv = KVCacheManager(16, 4, enable_caching=False)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64, num_lookahead_slots=4,
+                      spec_policy=policy)
+    sched.add_request(Request("a", [1, 2, 3], CoreSamplingParams(temperature=0), [0], max_tokens=20, arrival_time=0))
+    sched.update(sched.schedule(), ModelRunnerOutput({"a": [4]}))
+    out = sched.schedule()  # "a" decodes alone
+    assert out.propose_drafts and out.max_draft_passes == best
+    sched.add_request(Request("b", [5, 6, 7], CoreSamplingParams(temperature=0), [0], max_tokens=20, arrival_time=1))
+    sched.update(out, ModelRunnerOutput({"a": [8]}))
+    sched.update(sched.schedule(), ModelRunnerOutput({"a": [9], "b": [10]}))  # b's prompt: nobody drafts
+    out = sched.schedule()
+    assert out.max_draft_passes is None

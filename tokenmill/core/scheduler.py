@@ -29,12 +29,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.messages import EngineCoreOutput, SchedulerLoad, SchedulerStats, SpecDecodingStats
 from tokenmill.core.request import Request, RequestStatus, load_of
 from tokenmill.core.request_queue import make_queue, preemption_victim, running_order
-from tokenmill.core.scheduler_output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from tokenmill.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from tokenmill.core.spec_policy import SpecPolicy
 
 logger = logging.getLogger(__name__)
@@ -135,6 +130,9 @@ class Scheduler:
             seqs = [r.admit_seq for r in self.running]  # none: only prompts to start, which do not draft
             propose = bool(seqs) and self.spec_policy.speculate(
                 len(seqs), bool(self.waiting) or any(r.is_prefilling for r in self.running), (min(seqs), max(seqs)))
+        # one stream with a draft model: how far it drafts is known now (the policy's length of k)
+        alone = propose and self.spec_policy is not None and self.num_lookahead_slots and len(self.running) == 1
+        max_passes = self.spec_policy.draft_length(1, self.num_lookahead_slots) if alone else None
 
         # 1. running: decodes before chunks of unfinished prefills, each group in admission order
         #    (by rank under the priority policy)
@@ -208,7 +206,7 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, []
         kept, self.num_kept_blocks = self.num_kept_blocks, {}
         return SchedulerOutput(new_reqs, cached_reqs, num_tokens, self.max_num_batched_tokens - budget,
-                               preempted, finished, spec_tokens, kept, propose)
+                               preempted, finished, spec_tokens, kept, propose, max_passes)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The request's drafts that fit this step: after its one known token, within the budget,

@@ -51,6 +51,9 @@ class SchedulerOutput(msgspec.Struct):
     # whether the runner drafts for the next step after this one (the speculation policy decides a
     # step ahead, so a step it runs without speculation pays no proposer; seeded requests always draft)
     propose_drafts: bool = True
+    # one stream: the most passes a draft model runs for a request without a seed (the policy's
+    # draft length, known before drafting, so passes it would cut are not spent); None: k
+    max_draft_passes: int | None = None
 
     @property
     def is_empty(self) -> bool:

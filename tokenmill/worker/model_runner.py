@@ -114,7 +114,8 @@ class ModelRunner:
         if self.proposer is not None:
             t0 = time.perf_counter()
             self._propose([batch[i][0] for i in rows + verify
-                           if sched.propose_drafts or batch[i][0].params.seed is not None], out)
+                           if sched.propose_drafts or batch[i][0].params.seed is not None], out,
+                          sched.max_draft_passes)
             out.draft_seconds = time.perf_counter() - t0
             out.draft_prefill_seconds = getattr(self.proposer, "prefill_seconds", 0.0)
         return out
@@ -166,11 +167,13 @@ class ModelRunner:
             if logprobs is not None:
                 out.logprobs[state.req_id] = logprobs
 
-    def _propose(self, states: list[RequestState], out: ModelRunnerOutput) -> None:
+    def _propose(self, states: list[RequestState], out: ModelRunnerOutput, max_passes: int | None = None) -> None:
         states = [s for s in states if speculates(s)]
         if not states:
             return
-        for state, drafts in zip(states, self.proposer.propose(states)):
+        # a seeded request's random stream follows its drafts: they never depend on the policy
+        limits = [None if s.params.seed is not None else max_passes for s in states]
+        for state, drafts in zip(states, self.proposer.propose(states, limits)):
             if drafts:
                 out.spec_token_ids[state.req_id] = drafts
 

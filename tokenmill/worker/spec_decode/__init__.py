@@ -9,8 +9,9 @@ from tokenmill.worker.request_state import RequestState
 
 
 class Proposer(Protocol):
-    def propose(self, states: list[RequestState]) -> list[list[int]]:
-        """Drafts (up to k tokens) to follow each request's tokens."""
+    def propose(self, states: list[RequestState], max_passes: list[int | None] | None = None) -> list[list[int]]:
+        """Drafts (up to k tokens) to follow each request's tokens. `max_passes`: per request, the most
+        forward passes a draft model may spend on it (None: k); drafts that cost none ignore it."""
 
 
 def speculates(state: RequestState) -> bool:

@@ -66,13 +66,16 @@ class DraftModelProposer:
                                           storage, self.device)
 
     @torch.inference_mode()
-    def propose(self, states: list[RequestState]) -> list[list[int]]:
+    def propose(self, states: list[RequestState], max_passes: list[int | None] | None = None) -> list[list[int]]:
         from tokenmill.worker.model_runner import flat_batch
 
         drafts: list[list[int]] = [[] for _ in states]
         # the draft writes K/V up to position len(tokens) + k - 2: only within the request's blocks
         budget = [min(self.k, len(s.block_ids) * self.block_size - len(s.token_ids) + 1,
                       self.max_model_len - len(s.token_ids)) for s in states]
+        for i, n in enumerate(max_passes or ()):
+            if n is not None:
+                budget[i] = min(budget[i], n)
         if self.lookup_min:
             for i, s in enumerate(states):
                 found = ngram_drafts(np.asarray(s.token_ids, dtype=np.int64), max(self.k, LOOKUP_MAX_DRAFTS),

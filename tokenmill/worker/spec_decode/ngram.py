@@ -53,6 +53,6 @@ class NgramProposer:
     def __init__(self, k: int, n_min: int, n_max: int, spec_factor: float | None = None):
         self.k, self.n_min, self.n_max, self.spec_factor = k, n_min, n_max, spec_factor
 
-    def propose(self, states) -> list[list[int]]:
+    def propose(self, states, max_passes=None) -> list[list[int]]:  # lookups cost no passes
         return [ngram_drafts(np.asarray(s.token_ids, dtype=np.int64), self.k, self.n_min, self.n_max,
                              self.spec_factor) for s in states]
