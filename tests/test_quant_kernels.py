@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ to
 VARIANTS = supported_variants()
 GGUF_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 OWN_TYPES = ["I8_ROW", "I4_G128"]
+K_QUANTS = ["Q4_K", "Q5_K", "Q6_K"]
 
 
 def _reference_dequant(name: str, w: np.ndarray, rows: int, k: int) -> torch.Tensor:
@@ -34,17 +35,28 @@ def _k(name, w):
     return (w.shape[1] - f.row_head) // f.bytes * f.block
 
 
-def _quantize_activations(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
+def _quantize_activations(x: torch.Tensor, bits: int = 8, pow2: bool = False) -> torch.Tensor:
     """What the kernel multiplies: x rounded to int8 in blocks of 32 (scale amax / 127), plus with 16
-    bits the rounding residual in 1/256 steps, as floats."""
+    bits the rounding residual in 1/256 steps, as floats. With pow2 (K-quant weights, 8 bits) a
+    block's scale is its 256-value super-block's amax / 127 over the largest 2^s, s <= 3, that keeps
+    the block's codes within 127."""
     xb = x.float().view(x.shape[0], -1, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    if pow2:
+        amax_b = amax.view(x.shape[0], -1, 8).amax(-1, keepdim=True).repeat_interleave(8, 1)
+        s = torch.zeros_like(amax)
+        for _ in range(3):
+            s = torch.where(amax * 2 ** (s + 1) <= amax_b, s + 1, s)
+        inv = torch.where(amax_b > 0, torch.tensor(127.0) / amax_b, torch.zeros(())) * 2 ** s
+        scale = amax_b / 127.0 / 2 ** s
+    else:
+        inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+        scale = amax / 127.0
     y = xb * inv
     q = torch.round(y)
     if bits == 16:
         q = q + torch.round((y - q) * 256).clamp(-127, 127) / 256
-    return (q * (amax / 127.0)).view_as(x.float())
+    return (q * scale).view_as(x.float())
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -73,7 +85,7 @@ def test_packed_matmul_matches_dequantized(variant, name, m, bits):
     out = torch.empty(m, rows)
     quant_ops(variant).qlinear(out, x, [_packed(variant, name, w)], [FORMATS[name].id], [rows], None, 0, bits)
     # exact arithmetic on what the kernel multiplies (int8 activations): fp32 rounding apart
-    xq = _quantize_activations(x, bits).double()
+    xq = _quantize_activations(x, bits, bits == 8 and name in K_QUANTS).double()
     ref = xq @ deq.T
     scale = (xq.abs() @ deq.abs().T) + 1e-30
     assert ((out.double() - ref).abs() / scale).max() < 1e-5
@@ -96,8 +108,27 @@ def test_merged_shards_of_different_types_bias_and_bf16(variant):
     out = torch.empty(2, sum(sizes), dtype=torch.bfloat16)
     quant_ops(variant).qlinear(out, x, [_packed(variant, t, w) for t, w in zip(types, ws)],
                                [FORMATS[t].id for t in types], sizes, bias, 0)
-    ref = _quantize_activations(x).double() @ deq.double().T + bias.double()
+    ref = _quantize_activations(x, 8, True).double() @ deq.double().T + bias.double()
     torch.testing.assert_close(out.double(), ref.bfloat16().double(), rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("types,pow2", [(["Q4_K", "Q6_K"], True), (["Q4_K", "Q8_0"], False)])
+def test_8bit_codes_take_power_of_two_scales_only_for_k_quants(variant, types, pow2):
+    """A merged call of K-quant shards codes activations with power-of-two scales within each
+    super-block, one with any other type with a free scale per 32: each gives exactly the product
+    of its codes."""
+    k, sizes = 512, [24, 16]
+    rng = np.random.default_rng(11)
+    ws = [random_blocks(t, n, k, rng) for t, n in zip(types, sizes)]
+    deq = torch.cat([_reference_dequant(t, w, n, k) for t, w, n in zip(types, ws, sizes)]).double()
+    x = torch.randn(3, k)
+    x[:, ::97] *= 50  # outliers: the two codings differ by far more than rounding
+    out = torch.empty(3, sum(sizes))
+    quant_ops(variant).qlinear(out, x, [_packed(variant, t, w) for t, w in zip(types, ws)],
+                               [FORMATS[t].id for t in types], sizes, None, 0, 8)
+    xq = _quantize_activations(x, 8, pow2).double()
+    assert ((out.double() - xq @ deq.T).abs() / (xq.abs() @ deq.abs().T + 1e-30)).max() < 1e-5
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "quant_act.h"
+#include "quant_ymm.h"
 
 namespace TM_QUANT_NS {
 

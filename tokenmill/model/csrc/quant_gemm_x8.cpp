@@ -4,7 +4,7 @@
 // runs instead.
 #include <cstring>
 
-#include "quant_act.h"
+#include "quant_ymm.h"
 
 namespace TM_QUANT_NS {
 

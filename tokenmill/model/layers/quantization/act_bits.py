@@ -1,6 +1,7 @@
 """`--quant-act-bits auto`: the packed kernels' activation precision, measured once per model.
 
-8-bit codes (one int8 per activation and a scale per 32, as llama.cpp's and vLLM's GGUF kernels)
+8-bit codes (one int8 per activation and a scale per 32, as llama.cpp's and vLLM's GGUF kernels;
+per 256 for K-quant weights, as llama.cpp's Q8_K, so their sub-block scales apply in integers)
 take half the integer work of 16-bit ones (int8 plus an int8 code of its rounding residual, as
 exact as fp32): what bounds many-row products (verification, batches) on a CPU without AMX. What
 they cost in accuracy depends on the model: on Qwen2.5-Coder-0.5B nothing measurable, on
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 TOKENS = 512
 MAX_CHANGE = 0.003  # relative perplexity change allowed for 8-bit codes
 CACHE_FILE = "act_bits.json"
+# what 8-bit codes are; a verdict measured on other codes is measured again. 2: one scale per 256
+# activations for K-quant weights (quant_gemm_sb.cpp), per 32 for the rest.
+CODES = 2
 
 
 def packed_methods(model: torch.nn.Module) -> list[PackedLinearMethod]:
@@ -50,10 +54,10 @@ def set_act_bits(model: torch.nn.Module, bits: int) -> None:
 
 
 def fingerprint(path: Path, dtype: torch.dtype) -> str:
-    """The weight files' names, sizes and modification times, and the activations' dtype."""
+    """The weight files' names, sizes and modification times, the activations' dtype, and the codes."""
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     stats = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-    return f"{path.resolve()}|{dtype}|" + ",".join(stats)
+    return f"{path.resolve()}|{dtype}|codes{CODES}|" + ",".join(stats)
 
 
 def _cache_path() -> Path:
@@ -74,7 +78,10 @@ def _write_cache(key: str, entry: dict) -> None:
     path = _cache_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = {k: v for k, v in _read_cache().items() if Path(k.split("|", 1)[0]).exists()}  # gone models: dropped
+        # gone models, and older verdicts of this model and dtype: dropped
+        prefix = key.split("|codes", 1)[0] + "|"
+        data = {k: v for k, v in _read_cache().items()
+                if Path(k.split("|", 1)[0]).exists() and not k.startswith(prefix)}
         data[key] = entry
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1))

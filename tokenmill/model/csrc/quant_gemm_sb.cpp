@@ -1,0 +1,190 @@
+// The super-block kernel: pair_dot (quant_gemm_rows.cpp) for Q4_K, Q5_K and Q6_K weights against
+// 8-bit activation codes whose chunk scales are a super-block unit times 2^up (quant_act.h). Each
+// 32-weight chunk's integer dot product takes its 6- or 8-bit sub-block scale in int32 (one vpmulld
+// per row, two for Q6_K's halves) and its activation scale as a shift, and the floats come in once
+// per super-block: the per-chunk float epilogue of pair_dot (int-to-float, scale, two FMAs per row)
+// ran on the same multiply ports as vpdpbusd and held the kernel near half their peak.
+// Q4_K/Q5_K's minimums (dmin * m per chunk) meet the activations' shifted per-chunk sums in
+// vpdpwssd, once per super-block; Q6_K's -32 offset is subtracted in int32 before the scale.
+// A lane is an output row, a row's result does not depend on the rows beside it.
+#include <cmath>
+#include <cstring>
+
+#include "quant_zmm.h"
+
+namespace TM_QUANT_NS {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+namespace {
+
+using namespace zmm;
+
+// Tile (pack_tile_sb), per super-block: the 8 chunks' codes (chunk k, row m at (k * MR + m) * 32),
+// then per row a record of 32 int32: [0] the unit (float bits), [4 + p] the activation sums of
+// chunks 2p and 2p + 1, each shifted by its up, as two int16 (<= 4064 << 3), [8 + k] chunk k's up,
+// [16 + h] 32 x the sum of half h (16 values).
+constexpr int kRecInts = 32;
+constexpr int64_t kSbRowBytes = 256 + 4 * kRecInts;
+
+inline __m512i ld_bytes16(const uint8_t* p, const uint8_t* q, bool sign) {
+  const __m128i v = _mm_unpacklo_epi64(ld8(p), ld8(q));
+  return sign ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+}
+
+inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  if constexpr (kVNNI) return _mm512_dpwssd_epi32(acc, a, b);
+  else return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+}
+
+// R rows of chunk k: isum[r] += sub-block scale x (the chunk's 32 weights . the row's 32 codes)
+template <int QT, int R>
+__attribute__((always_inline)) inline void rows_sb(const __m512i W[8], const uint8_t* tc, const int32_t* rec, int k,
+                                                   __m512i sa, __m512i sb, __m512i* isum) {
+  __m512i lo[R], hi[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int j = 0; j < 4; ++j) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = reinterpret_cast<const int8_t*>(tc + r * 32);
+      lo[r] = dp<false>(lo[r], W[j], bcast4(x + 4 * j));
+      hi[r] = dp<false>(hi[r], W[j + 4], bcast4(x + 16 + 4 * j));
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int32_t* rr = rec + kRecInts * r;
+    __m512i v;
+    if constexpr (QT == Q6_K) {
+      const __m512i a = _mm512_sub_epi32(lo[r], _mm512_set1_epi32(rr[16 + 2 * k]));
+      const __m512i b = _mm512_sub_epi32(hi[r], _mm512_set1_epi32(rr[17 + 2 * k]));
+      v = _mm512_add_epi32(_mm512_mullo_epi32(a, sa), _mm512_mullo_epi32(b, sb));
+    } else {
+      v = _mm512_mullo_epi32(_mm512_add_epi32(lo[r], hi[r]), sa);
+    }
+    isum[r] = _mm512_add_epi32(isum[r], _mm512_sllv_epi32(v, _mm512_set1_epi32(rr[8 + k])));
+  }
+}
+
+template <int QT, int MR>
+__attribute__((noinline)) void sb_dot_t(const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile,
+                                        const Ahead& pf, float out[][16]) {
+  constexpr X8Geom g = x8_geom(QT);
+  const int64_t nb = K / 256, blk = g.block_head + 8 * g.body;
+  Prefetcher ahead(g0, g1, pf, K / 32);
+  __m512 acc[MR];
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  const uint8_t* tb = tile;
+  for (int64_t b = 0; b < nb; ++b, tb += MR * kSbRowBytes) {
+    const uint8_t* h0 = g0 + g.group_head + b * blk;
+    const uint8_t* h1 = g1 + g.group_head + b * blk;
+    const int32_t* rec = reinterpret_cast<const int32_t*>(tb + MR * 256);
+    __m512i isum[MR];
+    for (int m = 0; m < MR; ++m) isum[m] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+    for (int k = 0; k < 8; ++k) {
+      ahead.before(b * 8 + k);
+      __m512i W[8];
+      decode_zmm<kBits<QT>>(h0 + g.block_head + k * g.body, h1 + g.block_head + k * g.body, W);
+      __m512i sa, sb;
+      if constexpr (QT == Q6_K) {
+        sa = ld_bytes16(h0 + 16 + 16 * k, h1 + 16 + 16 * k, true);
+        sb = ld_bytes16(h0 + 24 + 16 * k, h1 + 24 + 16 * k, true);
+      } else {
+        sa = sb = ld_bytes16(h0 + 32 + 8 * k, h1 + 32 + 8 * k, false);
+      }
+      const uint8_t* tc = tb + k * MR * 32;
+      constexpr int R0 = MR < 4 ? MR : 4;  // rows 0..R0-1, then the rest
+      rows_sb<QT, R0>(W, tc, rec, k, sa, sb, isum);
+      if constexpr (MR > R0) rows_sb<QT, MR - R0>(W, tc + R0 * 32, rec + kRecInts * R0, k, sa, sb, isum + R0);
+    }
+    const __m512 d = ld_ph16(h0, h1);
+    if constexpr (QT == Q6_K) {
+      for (int m = 0; m < MR; ++m) {
+        float unit;
+        std::memcpy(&unit, rec + kRecInts * m, 4);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, _mm512_set1_ps(unit)), acc[m]);
+      }
+    } else {
+      const __m512 dmin = ld_ph16(h0 + 16, h1 + 16);
+      __m512i mins[4];  // lane: the minimums of chunks 2p and 2p + 1 as two int16
+      for (int p = 0; p < 4; ++p) {
+        mins[p] = _mm512_or_si512(ld_bytes16(h0 + 96 + 16 * p, h1 + 96 + 16 * p, false),
+                                  _mm512_slli_epi32(ld_bytes16(h0 + 104 + 16 * p, h1 + 104 + 16 * p, false), 16));
+      }
+      for (int m = 0; m < MR; ++m) {
+        const int32_t* r = rec + kRecInts * m;
+        float unit;
+        std::memcpy(&unit, r, 4);
+        const __m512 vu = _mm512_set1_ps(unit);
+        __m512i im = _mm512_setzero_si512();
+        for (int p = 0; p < 4; ++p) im = dpwssd(im, mins[p], _mm512_set1_epi32(r[4 + p]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, vu), acc[m]);
+        acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dmin, vu), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out[m], acc[m]);
+}
+
+}  // namespace
+
+void pack_tile_sb(const ActRow* a, int mr, int64_t K, uint8_t* dst) {
+  for (int64_t b = 0; b < K / 256; ++b) {
+    uint8_t* t = dst + b * mr * kSbRowBytes;
+    for (int k = 0; k < 8; ++k)
+      for (int m = 0; m < mr; ++m) std::memcpy(t + (k * mr + m) * 32, a[m].q + b * 256 + k * 32, 32);
+    for (int m = 0; m < mr; ++m) {
+      int32_t* r = reinterpret_cast<int32_t*>(t + mr * 256) + kRecInts * m;
+      std::memset(r, 0, 4 * kRecInts);
+      const int8_t* up = a[m].up + 8 * b;
+      const float unit = std::ldexp(a[m].dx[8 * b], -up[0]);
+      std::memcpy(r, &unit, 4);
+      const int16_t* bs = a[m].bs + 16 * b;
+      for (int p = 0; p < 4; ++p) {
+        const auto lo = static_cast<uint16_t>((bs[4 * p] + bs[4 * p + 1]) * (1 << up[2 * p]));
+        const auto hi = static_cast<uint16_t>((bs[4 * p + 2] + bs[4 * p + 3]) * (1 << up[2 * p + 1]));
+        r[4 + p] = static_cast<int32_t>(lo | static_cast<uint32_t>(hi) << 16);
+      }
+      for (int k = 0; k < 8; ++k) r[8 + k] = up[k];
+      for (int h = 0; h < 16; ++h) r[16 + h] = 32 * bs[h];
+    }
+  }
+}
+
+bool pair_dot_sb(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile, int mr,
+                 const Ahead& pf, float out[][16]) {
+  auto run = [&](auto qt) {
+    constexpr int QT = decltype(qt)::value;
+    static_assert(kPairRows <= 8, "the switch below covers 1..8 rows");
+    switch (mr) {
+      case 8: sb_dot_t<QT, 8>(g0, g1, K, tile, pf, out); break;
+      case 7: sb_dot_t<QT, 7>(g0, g1, K, tile, pf, out); break;
+      case 6: sb_dot_t<QT, 6>(g0, g1, K, tile, pf, out); break;
+      case 5: sb_dot_t<QT, 5>(g0, g1, K, tile, pf, out); break;
+      case 4: sb_dot_t<QT, 4>(g0, g1, K, tile, pf, out); break;
+      case 3: sb_dot_t<QT, 3>(g0, g1, K, tile, pf, out); break;
+      case 2: sb_dot_t<QT, 2>(g0, g1, K, tile, pf, out); break;
+      default: sb_dot_t<QT, 1>(g0, g1, K, tile, pf, out); break;
+    }
+  };
+  switch (qtype) {
+    case Q4_K: run(std::integral_constant<int, Q4_K>{}); return true;
+    case Q5_K: run(std::integral_constant<int, Q5_K>{}); return true;
+    case Q6_K: run(std::integral_constant<int, Q6_K>{}); return true;
+    default: return false;
+  }
+}
+
+#else
+
+void pack_tile_sb(const ActRow*, int, int64_t, uint8_t*) {}
+
+bool pair_dot_sb(int, const uint8_t*, const uint8_t*, int64_t, const uint8_t*, int, const Ahead&, float[][16]) {
+  return false;
+}
+
+#endif
+
+}  // namespace TM_QUANT_NS
