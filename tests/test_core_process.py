@@ -7,6 +7,7 @@ import asyncio
 import gc
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -219,6 +220,9 @@ def test_sigterm_stops_the_core_process():
     assert r.status_code == 200
     assert server.stop(signal.SIGTERM) == 0
     core.wait(timeout=10)
+    # the core froze its start-up objects (the model's) out of the garbage collector's full passes
+    frozen = re.search(r"froze (\d+) start-up objects", server.log())
+    assert frozen and int(frozen.group(1)) > 50_000, server.log()[-2000:]
 
 
 def test_load_tracker_counts_what_a_stale_report_leaves_out():

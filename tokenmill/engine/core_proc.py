@@ -9,6 +9,7 @@ raises outside a step (it reports the cause first).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -92,6 +93,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
         out.close()
         ctx.term()  # waits (up to the output's linger) for the report to leave; needs both closed
         return
+    _freeze_start_up_objects()
     started.set()  # from here the busy loop watches the parent
     out.send_multipart([READY, encoder.encode(CoreReady(core.max_model_len, core.kv.num_blocks))])
     try:
@@ -104,6 +106,17 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
         inp.close(linger=0)
         out.close()
         ctx.term()
+
+
+def _freeze_start_up_objects() -> None:
+    """Move what start-up made (the model's modules and tensors, the tokenizer, imported modules:
+    ~240k objects with Qwen2.5-Coder-1.5B and its draft) out of the cyclic garbage collector's reach,
+    as vLLM does. This process holds one engine for its life, so they never become garbage, but each
+    full collection traversed them all: a 120-130 ms stall of every stream, about once in 50 s at 64
+    streams. Objects made later are collected as before."""
+    gc.collect()
+    gc.freeze()
+    logger.info("froze %d start-up objects out of the garbage collector", gc.get_freeze_count())
 
 
 def _exit_with_parent(started: threading.Event) -> None:
