@@ -37,10 +37,7 @@ a 10-second run). So with a draft model (`costly_tries`), a bucket of several re
 without speculation, and tries it only where its plain step costs at most twice a one-request
 plain step (`cheap_rows`: extra rows are still nearly free, as verification rows need; at 16
 requests a step costs 3.4x one request's, at 2-8 requests 1.5-1.9x). The one-request step time
-is kept across requests: it is the machine's, not the batch's. Until one request has run alone, up
-to `prior_cheap_requests` (8) count as cheap: the packed kernels read each weight once for up to 8
-activation rows, so such a step streams the weights as one row does (BENCHMARKS.md); without this
-prior, an engine whose traffic was concurrent from the start never tried a draft model at all.
+is kept across requests: it is the machine's, not the batch's.
 
 How far, at one stream (`DraftLength`): a verification's cost is not proportional to its rows (the
 packed kernels work in tiles of 8 activation rows: on a 2-core Xeon 16 rows of SmolLM2 cost 42 ms,
@@ -97,10 +94,8 @@ class DraftLength:
 
 class SpecPolicy:
     def __init__(self, explore_every: int = 16, alpha: float = 0.2, max_explore_every: int = 64,
-                 margin: float = 0.05, costly_tries: bool = False, cheap_rows: float = 2.0,
-                 prior_cheap_requests: int = 8):
+                 margin: float = 0.05, costly_tries: bool = False, cheap_rows: float = 2.0):
         self.costly_tries, self.cheap_rows = costly_tries, cheap_rows
-        self.prior_cheap_requests = prior_cheap_requests
         self.plain_seconds: dict[int, float] = {}  # bucket -> a step's seconds without speculation
         self.one_request_seconds: float | None = None  # a plain step of one request (never forgotten)
         self.explore_every = explore_every
@@ -150,7 +145,7 @@ class SpecPolicy:
         if prefill_pending:
             return False
         b = self.bucket(num_running)
-        if self.costly_tries and num_running > 1 and not self._rows_cheap(b, num_running):
+        if self.costly_tries and num_running > 1 and not self._rows_cheap(b):
             return False
         best = self.best(b)
         if best is None:
@@ -167,11 +162,9 @@ class SpecPolicy:
         self.wait[b] = 0
         return not best
 
-    def _rows_cheap(self, b: int, num_running: int) -> bool:
+    def _rows_cheap(self, b: int) -> bool:
         plain, one = self.plain_seconds.get(b), self.one_request_seconds
-        if one is None:
-            return num_running <= self.prior_cheap_requests
-        return plain is not None and plain <= self.cheap_rows * one
+        return plain is not None and one is not None and plain <= self.cheap_rows * one
 
     def draft_length(self, num_running: int, offered: int) -> int:
         return self.length.best(offered) if num_running == 1 else offered
