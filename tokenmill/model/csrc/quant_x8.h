@@ -7,8 +7,10 @@
 // A chunk body holds 8 rows x 32 weights. Its low 4 bits (or all 8) form four 64-byte vectors
 // U0..U3 of 16 int32 lanes: lane L = (g % 2) * 8 + r holds weights 4g..4g+3 of row r, with
 // U0: g = 0,1  U1: g = 2,3  U2: g = 4,5  U3: g = 6,7   (U0, U1: weights 0-15; U2, U3: 16-31).
-// 4-bit formats store U0 | U2 << 4 then U1 | U3 << 4 (128 bytes); bit 4 (5-bit formats) and bit 5
-// (Q6_K) follow as one 64-bit mask per vector (byte i of Uk has the bit iff mask bit i is set).
+// 4-bit formats store U0 | U2 << 4 then U1 | U3 << 4 (128 bytes). Bit 4 (5-bit formats) and bit 5
+// (Q6_K) follow as 32-byte planes: the 32-byte halves of U0..U3, in order t = 2k + half, are the
+// ymm vectors a decode holds, and bit t of plane byte b is the bit of byte b of vector t, so a SIMD
+// decode takes vector t's bits with one shift and one mask of the plane (no per-bit expansion).
 // 8-bit formats store U0..U3 as they are (256 bytes).
 // Heads (fp16 unless said): Q4_0, Q5_0, Q8_0: d[8]; Q4_1, Q5_1, I4_G128: d[8], m[8];
 // Q4_K, Q5_K: d[8], dmin[8], then per chunk k the 6-bit scale sc[k][8] and min m[k][8] as bytes;
@@ -123,15 +125,9 @@ inline void x8_chunk_bytes(const uint8_t* body, const X8Geom& g, uint8_t u[8][32
         v = body[k * 64 + i];
       } else {
         v = (body[(k & 1) * 64 + i] >> ((k >> 1) * 4)) & 0xF;
-        uint64_t m;
-        if (g.bits >= 5) {
-          std::memcpy(&m, body + 128 + 8 * k, 8);
-          v |= ((m >> i) & 1) << 4;
-        }
-        if (g.bits == 6) {
-          std::memcpy(&m, body + 160 + 8 * k, 8);
-          v |= ((m >> i) & 1) << 5;
-        }
+        const int t = 2 * k + i / 32;  // the plane bit of byte i of Uk
+        if (g.bits >= 5) v |= ((body[128 + i % 32] >> t) & 1) << 4;
+        if (g.bits == 6) v |= ((body[160 + i % 32] >> t) & 1) << 5;
       }
       u[r][e] = v;
     }
@@ -190,8 +186,8 @@ void x8_repack_group(const uint8_t* rows, int64_t rb, int64_t N, int64_t K, int 
             continue;
           }
           body[(v & 1) * 64 + i] |= static_cast<uint8_t>((u[e] & 0xF) << ((v >> 1) * 4));
-          if (g.bits >= 5 && (u[e] & 0x10)) body[128 + 8 * v + i / 8] |= static_cast<uint8_t>(1u << (i % 8));
-          if (g.bits == 6 && (u[e] & 0x20)) body[160 + 8 * v + i / 8] |= static_cast<uint8_t>(1u << (i % 8));
+          if (g.bits >= 5 && (u[e] & 0x10)) body[128 + i % 32] |= static_cast<uint8_t>(1u << (2 * v + i / 32));
+          if (g.bits == 6 && (u[e] & 0x20)) body[160 + i % 32] |= static_cast<uint8_t>(1u << (2 * v + i / 32));
         }
       }
     }

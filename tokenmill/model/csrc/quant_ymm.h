@@ -3,16 +3,25 @@
 // per-row scales as float vectors.
 #pragma once
 
+#include <utility>
+
 #include "quant_act.h"
 
 namespace TM_QUANT_NS {
 
 #if defined(__AVX2__)
-inline __m256i bits_to_bytes(uint32_t bits, uint8_t value) {  // bit i -> byte i = value or 0
-  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
-  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(static_cast<char>(value)));
+// bit J of each byte of p, moved to bit T (the other bits still there: masked by the caller)
+template <int T, int J>
+inline __m256i plane_bit(__m256i p) {
+  if constexpr (J <= T) return _mm256_slli_epi16(p, T - J);
+  else return _mm256_srli_epi16(p, J - T);
+}
+
+// u[t] |= bit T of byte b for each byte b of vector t, from a 32-byte bit plane (quant_x8.h)
+template <int T, size_t... J>
+inline void add_plane(__m256i u[8], __m256i p, std::index_sequence<J...>) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(1 << T));
+  ((u[J] = _mm256_or_si256(u[J], _mm256_and_si256(plane_bit<T, static_cast<int>(J)>(p), m))), ...);
 }
 
 // ymm j of a chunk: lanes = rows 0-7, bytes = weights 4j..4j+3 of each row.
@@ -28,20 +37,8 @@ inline void decode_ymm(const uint8_t* body, __m256i u[8]) {
       u[j] = _mm256_and_si256(h, m4);
       u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(h, 4), m4);
     }
-    if constexpr (BITS >= 5) {
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bits;
-        std::memcpy(&bits, body + 128 + 4 * j, 4);
-        u[j] = _mm256_or_si256(u[j], bits_to_bytes(bits, 0x10));
-      }
-    }
-    if constexpr (BITS == 6) {
-      for (int j = 0; j < 8; ++j) {
-        uint32_t bits;
-        std::memcpy(&bits, body + 160 + 4 * j, 4);
-        u[j] = _mm256_or_si256(u[j], bits_to_bytes(bits, 0x20));
-      }
-    }
+    if constexpr (BITS >= 5) add_plane<4>(u, ld(body + 128), std::make_index_sequence<8>{});
+    if constexpr (BITS == 6) add_plane<5>(u, ld(body + 160), std::make_index_sequence<8>{});
   }
 }
 #endif
