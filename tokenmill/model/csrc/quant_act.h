@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "quant_x8.h"
 
@@ -168,6 +169,21 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
     bs[2 * c + 1] = static_cast<int16_t>(s1);
   }
 #endif
+}
+
+// u[t] |= bit T of byte b of p, for each byte b of vector t (t in J...): the 5th/6th-bit planes of
+// the x8 layout (quant_x8.h), for __m256i and __m512i alike (GCC vector operations). Shifting whole
+// 64-bit lanes is fine: what crosses a byte boundary lands away from bit T, and the mask drops it.
+template <int T, int J, typename V>
+inline V plane_bit(V p) {
+  if constexpr (J <= T) return p << (T - J);
+  else return p >> (J - T);
+}
+
+template <int T, typename V, int... J>
+inline void add_plane(V* u, V p, std::integer_sequence<int, J...>) {
+  const auto m = static_cast<long long>(0x0101010101010101ULL << T);
+  ((u[J] |= plane_bit<T, J>(p) & m), ...);
 }
 
 template <int QT> constexpr int kBits = QT == Q8_0 || QT == I8_ROW ? 8 : QT == Q6_K ? 6 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) ? 5 : 4;

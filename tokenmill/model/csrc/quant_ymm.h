@@ -3,27 +3,12 @@
 // per-row scales as float vectors.
 #pragma once
 
-#include <utility>
 
 #include "quant_act.h"
 
 namespace TM_QUANT_NS {
 
 #if defined(__AVX2__)
-// bit J of each byte of p, moved to bit T (the other bits still there: masked by the caller)
-template <int T, int J>
-inline __m256i plane_bit(__m256i p) {
-  if constexpr (J <= T) return _mm256_slli_epi16(p, T - J);
-  else return _mm256_srli_epi16(p, J - T);
-}
-
-// u[t] |= bit T of byte b for each byte b of vector t, from a 32-byte bit plane (quant_x8.h)
-template <int T, size_t... J>
-inline void add_plane(__m256i u[8], __m256i p, std::index_sequence<J...>) {
-  const __m256i m = _mm256_set1_epi8(static_cast<char>(1 << T));
-  ((u[J] = _mm256_or_si256(u[J], _mm256_and_si256(plane_bit<T, static_cast<int>(J)>(p), m))), ...);
-}
-
 // ymm j of a chunk: lanes = rows 0-7, bytes = weights 4j..4j+3 of each row.
 template <int BITS>
 inline void decode_ymm(const uint8_t* body, __m256i u[8]) {
@@ -37,8 +22,8 @@ inline void decode_ymm(const uint8_t* body, __m256i u[8]) {
       u[j] = _mm256_and_si256(h, m4);
       u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(h, 4), m4);
     }
-    if constexpr (BITS >= 5) add_plane<4>(u, ld(body + 128), std::make_index_sequence<8>{});
-    if constexpr (BITS == 6) add_plane<5>(u, ld(body + 160), std::make_index_sequence<8>{});
+    if constexpr (BITS >= 5) add_plane<4>(u, ld(body + 128), std::make_integer_sequence<int, 8>{});
+    if constexpr (BITS == 6) add_plane<5>(u, ld(body + 160), std::make_integer_sequence<int, 8>{});
   }
 }
 #endif

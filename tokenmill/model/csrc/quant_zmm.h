@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cstring>
-#include <utility>
 
 #include "quant_act.h"
 
@@ -21,20 +20,6 @@ inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
-}
-
-// bit J of each byte of p, moved to bit T (the other bits still there: masked by the caller)
-template <int T, int J>
-inline __m512i plane_bit(__m512i p) {
-  if constexpr (J <= T) return _mm512_slli_epi16(p, T - J);
-  else return _mm512_srli_epi16(p, J - T);
-}
-
-// W[t] |= bit T of byte b for each byte b of vector t, from the bit planes of two groups (quant_x8.h)
-template <int T, size_t... J>
-inline void add_plane(__m512i W[8], __m512i p, std::index_sequence<J...>) {
-  const __m512i m = _mm512_set1_epi8(static_cast<char>(1 << T));
-  ((W[J] = _mm512_or_si512(W[J], _mm512_and_si512(plane_bit<T, static_cast<int>(J)>(p), m))), ...);
 }
 
 // decode_ymm of two chunk bodies at once: zmm j = ymm j of b0 (rows 0-7), then of b1 (rows 8-15);
@@ -54,8 +39,8 @@ inline void decode_zmm(const uint8_t* b0, const uint8_t* b1, __m512i W[8]) {
       W[j] = _mm512_and_si512(h, m4);
       W[j + 4] = _mm512_and_si512(_mm512_srli_epi16(h, 4), m4);
     }
-    if constexpr (BITS >= 5) add_plane<4>(W, ld2(b0 + 128, b1 + 128), std::make_index_sequence<8>{});
-    if constexpr (BITS == 6) add_plane<5>(W, ld2(b0 + 160, b1 + 160), std::make_index_sequence<8>{});
+    if constexpr (BITS >= 5) add_plane<4>(W, ld2(b0 + 128, b1 + 128), std::make_integer_sequence<int, 8>{});
+    if constexpr (BITS == 6) add_plane<5>(W, ld2(b0 + 160, b1 + 160), std::make_integer_sequence<int, 8>{});
   }
 }
 
