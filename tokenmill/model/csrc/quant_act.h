@@ -51,7 +51,8 @@ struct ActRow {
 
 constexpr int kMaxUp = 3;  // with 2^3 the integer sums of a Q6_K super-block stay within int32
 
-inline int64_t act_row_bytes(int64_t K) { return K / 32 * 17 + 2 * K + K / 8; }
+// whole cache lines, so that every row's float arrays stay aligned
+inline int64_t act_row_bytes(int64_t K) { return (K / 32 * 17 + 2 * K + K / 8 + 63) / 64 * 64; }
 
 inline ActRow act_row(const uint8_t* base, int64_t K) {
   const int64_t C = K / 32;
