@@ -160,3 +160,12 @@ def test_a_draft_model_tries_speculation_only_where_rows_are_nearly_free():
     assert _timed(p, 16, on_s=0.1, off_s=0.062) == 0  # 16 rows cost 3.4x one: never tried
     assert _timed(p, 4, on_s=0.045, off_s=0.029) > 0.8  # 4 rows cost 1.6x one: tried, and it pays
     assert _timed(SpecPolicy(), 16, on_s=0.1, off_s=0.062) > 0.9  # n-gram tries are cheap: tried
+
+
+def test_a_draft_model_is_not_tried_where_its_verification_would_be_compute_bound():
+    """With k = 5 a verification takes 6 rows per request: 2 requests (12) are tried, 4 (24, past
+    max_try_rows) are not, however cheap their plain steps."""
+    p = SpecPolicy(costly_tries=True, rows_per_request=6)
+    assert _timed(p, 1, on_s=0.03, off_s=0.018) > 0.9
+    assert _timed(p, 2, on_s=0.04, off_s=0.02) > 0.8  # tried, and it pays
+    assert _timed(p, 4, on_s=0.045, off_s=0.029) == 0

@@ -37,7 +37,10 @@ a 10-second run). So with a draft model (`costly_tries`), a bucket of several re
 without speculation, and tries it only where its plain step costs at most twice a one-request
 plain step (`cheap_rows`: extra rows are still nearly free, as verification rows need; at 16
 requests a step costs 3.4x one request's, at 2-8 requests 1.5-1.9x). The one-request step time
-is kept across requests: it is the machine's, not the batch's.
+is kept across requests: it is the machine's, not the batch's. Nor is it tried where a verification
+would pass `max_try_rows` (16) rows, requests x (k + 1): from there the products are compute-bound
+(the kernels stream the weights once per 8 rows), and on Qwen2.5-Coder-1.5B with k = 5 tries at 4
+requests (24 rows) ran 0.90x where 2 requests (12 rows) ran 1.08x (BENCHMARKS.md).
 
 How far, at one stream (`DraftLength`): a verification's cost is not proportional to its rows (the
 packed kernels work in tiles of 8 activation rows: on a 2-core Xeon 16 rows of SmolLM2 cost 42 ms,
@@ -94,8 +97,10 @@ class DraftLength:
 
 class SpecPolicy:
     def __init__(self, explore_every: int = 16, alpha: float = 0.2, max_explore_every: int = 64,
-                 margin: float = 0.05, costly_tries: bool = False, cheap_rows: float = 2.0):
+                 margin: float = 0.05, costly_tries: bool = False, cheap_rows: float = 2.0,
+                 rows_per_request: int = 1, max_try_rows: int = 16):
         self.costly_tries, self.cheap_rows = costly_tries, cheap_rows
+        self.rows_per_request, self.max_try_rows = rows_per_request, max_try_rows  # k + 1; the cap above
         self.plain_seconds: dict[int, float] = {}  # bucket -> a step's seconds without speculation
         self.one_request_seconds: float | None = None  # a plain step of one request (never forgotten)
         self.explore_every = explore_every
@@ -145,7 +150,8 @@ class SpecPolicy:
         if prefill_pending:
             return False
         b = self.bucket(num_running)
-        if self.costly_tries and num_running > 1 and not self._rows_cheap(b):
+        if self.costly_tries and num_running > 1 and (
+                num_running * self.rows_per_request > self.max_try_rows or not self._rows_cheap(b)):
             return False
         best = self.best(b)
         if best is None:

@@ -43,7 +43,8 @@ class EngineCore:
                                    sc.scheduling_policy, sc.priority_aging,
                                    num_lookahead_slots=spec.num_lookahead_slots if spec.enabled else 0,
                                    spec_disable_by_batch_size=spec.disable_by_batch_size if spec.enabled else None,
-                                   spec_policy=SpecPolicy(costly_tries=spec.method == "draft_model")
+                                   spec_policy=SpecPolicy(costly_tries=spec.method == "draft_model",
+                                                          rows_per_request=spec.num_speculative_tokens + 1)
                                    if spec.enabled and spec.adaptive else None)
         self.num_steps = 0
         self.num_received = 0  # sequences added, reported with the stats (the front end's load)
