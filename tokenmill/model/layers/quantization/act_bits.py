@@ -1,7 +1,8 @@
 """`--quant-act-bits auto`: the packed kernels' activation precision, measured once per model.
 
 8-bit codes (one int8 per activation and a scale per 32, as llama.cpp's and vLLM's GGUF kernels;
-per 256 for K-quant weights, as llama.cpp's Q8_K, so their sub-block scales apply in integers)
+for K-quant weights a power-of-two fraction of a 256-value super-block's, so that their sub-block
+scales apply in integers)
 take half the integer work of 16-bit ones (int8 plus an int8 code of its rounding residual, as
 exact as fp32): what bounds many-row products (verification, batches) on a CPU without AMX. What
 they cost in accuracy depends on the model: on Qwen2.5-Coder-0.5B nothing measurable, on
@@ -34,8 +35,8 @@ logger = logging.getLogger(__name__)
 TOKENS = 512
 MAX_CHANGE = 0.003  # relative perplexity change allowed for 8-bit codes
 CACHE_FILE = "act_bits.json"
-# what 8-bit codes are; a verdict measured on other codes is measured again. 2: one scale per 256
-# activations for K-quant weights (quant_gemm_sb.cpp), per 32 for the rest.
+# what 8-bit codes are; a verdict measured on other codes is measured again. 2: power-of-two chunk
+# scales under each 256-value super-block for K-quant weights (csrc/quant_act.h), per 32 for the rest.
 CODES = 2
 
 
