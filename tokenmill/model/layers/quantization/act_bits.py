@@ -1,17 +1,16 @@
 """`--quant-act-bits auto`: the packed kernels' activation precision, measured once per model.
 
-8-bit codes (one int8 per activation and a scale per 32, as llama.cpp's and vLLM's GGUF kernels;
-for K-quant weights a power-of-two fraction of a 256-value super-block's, so that their sub-block
-scales apply in integers)
-take half the integer work of 16-bit ones (int8 plus an int8 code of its rounding residual, as
-exact as fp32): what bounds many-row products (verification, batches) on a CPU without AMX. What
-they cost in accuracy depends on the model: on Qwen2.5-Coder-0.5B nothing measurable, on
+8-bit codes (one int8 per activation and a scale per 32, as llama.cpp's and vLLM's GGUF kernels; for
+K-quant weights a power-of-two fraction of a 256-value super-block's, so that their sub-block scales
+apply in integers) take half the integer work of 16-bit ones (int8 plus an int8 code of its rounding
+residual, as exact as fp32): what bounds many-row products (verification, batches) on a CPU without
+AMX. What they cost in accuracy depends on the model: on Qwen2.5-Coder-0.5B nothing measurable, on
 SmolLM2-135M +0.44% perplexity, most of issue 8's 0.5% budget (BENCHMARKS.md). So the choice is
 measured: the perplexity of 512 tokens of built-in text (calibration.py) with 8-bit codes against
-16-bit ones; 8 bits when the change is within `MAX_CHANGE` (0.3%, margin under the 0.5% budget
-for another text), else 16. The verdict is kept in the cache folder, keyed by the weight files'
-size and time and by the dtype, so a model pays the measurement (two passes over the text: 1.3 s
-for SmolLM2, 6.2 s for Qwen2.5-Coder-1.5B on 2 cores) once. With tensor or pipeline
+16-bit ones; 8 bits when the change is within `MAX_CHANGE` (0.3%, margin under the 0.5% budget for
+another text), else 16. The verdict is kept in the cache folder, keyed by the weight files' size and
+time, the dtype and the codes (`CODES`), so a model pays the measurement (two passes over the text:
+1.3 s for SmolLM2, 6.2 s for Qwen2.5-Coder-1.5B on 2 cores) once. With tensor or pipeline
 parallelism no rank can run the whole model alone: 16 bits without measuring. Perplexity is the
 budget's measure; a model with near-uniform predictions (random weights) hardly moves it whatever
 its logits do, so tests of the products themselves pin the bits.
