@@ -76,11 +76,11 @@ class DraftModelProposer:
         for i, n in enumerate(max_passes or ()):
             if n is not None:
                 budget[i] = min(budget[i], n)
-        if self.lookup_min:
-            for i, s in enumerate(states):
+        for i, s in enumerate(states):
+            if self.lookup_min and budget[i] > 0:  # a request with no room drafts nothing: no lookup
                 found = ngram_drafts(np.asarray(s.token_ids, dtype=np.int64), max(self.k, LOOKUP_MAX_DRAFTS),
                                      self.lookup_min, self.lookup_min, 1.0)
-                if len(found) >= self.lookup_min and budget[i] > 0:
+                if len(found) >= self.lookup_min:
                     drafts[i], budget[i] = found, 0
         active = [i for i, b in enumerate(budget) if b > 0]
         self.prefill_seconds = 0.0
