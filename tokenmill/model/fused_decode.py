@@ -54,7 +54,7 @@ class FusedDecode:
                              a.kv_cache[0], a.kv_cache[1]]
             self.ints.append(int(a.qkv_proj.bias is not None))
             if a.qkv_proj.bias is not None:
-                self.tensors.append(a.qkv_proj.bias.data)
+                self.tensors.append(a.qkv_proj.bias.data.float())  # qlinear adds it in fp32: convert once
             for lin in (a.qkv_proj, a.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj):
                 self.ints += [lin.method.dense_min_rows, len(lin.q_views)]
                 for view, qt, rows in zip(lin.q_views, lin.method.qtypes, lin.q_rows):
