@@ -54,7 +54,9 @@ class UnquantizedLinearMethod(LinearMethod):
     faster GEMMs at the small batch sizes of decoding; in fp32 on an AMD EPYC 2.5-3.6x faster than
     F.linear (MKL), and a row's result, in tiles of 2-32 rows, does not depend on the rows beside it,
     which MKL's does from 4 rows (batch_invariance.py). `keep_plain` keeps the plain weight as well
-    (an LM head whose weight the embedding shares); otherwise it is dropped after packing."""
+    (an LM head whose weight the embedding shares: the head's packed copy costs its size again, and
+    pays, since one row through MKL's head was the slowest product of an fp32 step); otherwise the
+    plain weight is dropped after packing."""
 
     def __init__(self, keep_plain: bool = False):
         self.keep_plain = keep_plain
