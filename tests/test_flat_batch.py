@@ -45,7 +45,8 @@ def _mixed_vs_alone(llm):
 
 def test_mixed_flat_batch_fp32(smol_fp32):
     for mixed, alone in _mixed_vs_alone(smol_fp32):
-        torch.testing.assert_close(mixed, alone, atol=1e-4, rtol=0)
+        # GEMM row order noise (oneDNN held to AVX2 gave 1.1e-4 on a logit of 4.2), as against transformers
+        torch.testing.assert_close(mixed, alone, atol=1e-4, rtol=1e-5)
 
 
 def _tv(a, b):
@@ -134,4 +135,5 @@ def test_mixed_flat_batch_other_block_sizes_and_backends(tiny_llama_dir, block_s
               attention_backend=backend, progress=False)
     assert llm.engine.core.worker.backend.name == backend
     for mixed, alone in _mixed_vs_alone(llm):
-        torch.testing.assert_close(mixed, alone, atol=1e-4, rtol=0)
+        # GEMM row order noise (oneDNN held to AVX2 gave 1.1e-4 on a logit of 4.2), as against transformers
+        torch.testing.assert_close(mixed, alone, atol=1e-4, rtol=1e-5)
