@@ -27,30 +27,25 @@ template <bool kSigned, bool RES, bool kTwo, int R, int CB>
 __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const uint8_t* tc, const float* sc, __m512 da, __m512 db, __m512 oa,
                                                       __m512 ob, __m512* acc, __m512* aco) {
   __m512i lo[R], hi[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
-  auto pass = [&](int at) {
-#pragma GCC unroll 8
-    for (int j = 0; j < 4; ++j) {
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
+  static_for<R>([&](auto r) TM_INLINE { lo[r] = hi[r] = _mm512_setzero_si512(); });
+  auto pass = [&](auto at) TM_INLINE {
+    static_for<4>([&](auto j) TM_INLINE {
+      static_for<R>([&](auto r) TM_INLINE {
         const int8_t* x = reinterpret_cast<const int8_t*>(tc + r * CB + at);
         lo[r] = dp<kSigned>(lo[r], W[j], bcast4(x + 4 * j));
         hi[r] = dp<kSigned>(hi[r], W[j + 4], bcast4(x + 16 + 4 * j));
-      }
-    }
+      });
+    });
   };
-  pass(0);
+  pass(std::integral_constant<int, 0>{});
   if constexpr (RES) {
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
+    static_for<R>([&](auto r) TM_INLINE {
       lo[r] = _mm512_slli_epi32(lo[r], 8);
       hi[r] = _mm512_slli_epi32(hi[r], 8);
-    }
-    pass(32);
+    });
+    pass(std::integral_constant<int, 32>{});
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
+  static_for<R>([&](auto r) TM_INLINE {
     const __m512 dx = _mm512_set1_ps(sc[4 * r]);
     if constexpr (kTwo) {
       acc[r] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(lo[r]), dx), acc[r]);
@@ -61,7 +56,7 @@ __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const 
       acc[r] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], hi[r])), dx), acc[r]);
       aco[r] = _mm512_fmadd_ps(oa, _mm512_set1_ps(sc[4 * r + 1]), aco[r]);
     }
-  }
+  });
 }
 
 // Never inlined: GCC inlined some instances (Q4_1, Q5_0, Q8_0) into pair_dot's dispatch and compiled

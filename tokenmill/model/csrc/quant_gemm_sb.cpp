@@ -41,19 +41,15 @@ template <int QT, int R>
 __attribute__((always_inline)) inline void rows_sb(const __m512i W[8], const uint8_t* tc, const int32_t* rec, int k,
                                                    __m512i sa, __m512i sb, __m512i* isum) {
   __m512i lo[R], hi[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-  for (int j = 0; j < 4; ++j) {
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
+  static_for<R>([&](auto r) TM_INLINE { lo[r] = hi[r] = _mm512_setzero_si512(); });
+  static_for<4>([&](auto j) TM_INLINE {
+    static_for<R>([&](auto r) TM_INLINE {
       const int8_t* x = reinterpret_cast<const int8_t*>(tc + r * 32);
       lo[r] = dp<false>(lo[r], W[j], bcast4(x + 4 * j));
       hi[r] = dp<false>(hi[r], W[j + 4], bcast4(x + 16 + 4 * j));
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
+    });
+  });
+  static_for<R>([&](auto r) TM_INLINE {
     const int32_t* rr = rec + kRecInts * r;
     __m512i v;
     if constexpr (QT == Q6_K) {
@@ -64,7 +60,7 @@ __attribute__((always_inline)) inline void rows_sb(const __m512i W[8], const uin
       v = _mm512_mullo_epi32(_mm512_add_epi32(lo[r], hi[r]), sa);
     }
     isum[r] = _mm512_add_epi32(isum[r], _mm512_sllv_epi32(v, _mm512_set1_epi32(rr[8 + k])));
-  }
+  });
 }
 
 template <int QT, int MR>

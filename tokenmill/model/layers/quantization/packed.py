@@ -41,9 +41,11 @@ DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", 
 # The same CPU kinds with 8-bit activation codes (half the packed kernel's integer work), per weight
 # format; a format not listed: the packed kernel at every row count. AMD EPYC (2026-11-26, 8960x1536):
 # packed is 1.1-1.3x dequant+GEMM at 2048 rows for every format but those whose 5th/6th bits are
-# added from bit planes (Q5_0, Q5_1, Q6_K), where dequant+GEMM wins by 1.1-1.2x from 512.
+# added from bit planes (Q5_0, Q5_1, Q6_K), where dequant+GEMM wins by 1.1-1.2x from 512. Since
+# the 32-weight block kernels are fully unrolled (quant_zmm.h, static_for), Q5_0 and Q5_1 (9728x896)
+# are packed-faster at 512 rows (1.06-1.07x) and tie at 1024.
 DENSE_MIN_ROWS_8BIT_BY_VENDOR: dict[tuple[str, str], dict[str, int]] = {
-    ("AuthenticAMD", "avx512_bf16"): {"Q5_0": 512, "Q5_1": 512, "Q6_K": 512}}
+    ("AuthenticAMD", "avx512_bf16"): {"Q5_0": 1024, "Q5_1": 1024, "Q6_K": 512}}
 
 
 def default_dense_min_rows(act_bits: int | str = 16, qtype: int | None = None) -> int:
