@@ -51,7 +51,7 @@ def shard_rows_loader(layer: Linear):
 
 class UnquantizedLinearMethod(LinearMethod):
     """Dense weights in the model dtype. On CPU the weight goes to oneDNN pre-packed: in bf16 1.3-2x
-    faster GEMMs at the small batch sizes of decoding; in fp32 on an AMD EPYC 2.5-3.6x faster than
+    faster GEMMs at the small batch sizes of decoding; in fp32 on an AMD EPYC 2.5-5x faster than
     F.linear (MKL), and a row's result, in tiles of 2-32 rows, does not depend on the rows beside it,
     which MKL's does from 4 rows (batch_invariance.py). `keep_plain` keeps the plain weight as well
     (an LM head whose weight the embedding shares: the head's packed copy costs its size again, and
