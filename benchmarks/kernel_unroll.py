@@ -12,19 +12,11 @@ from __future__ import annotations
 import re
 import subprocess
 
-from tokenmill.model.quant_kernels import quant_ops
-
-
-def library_path() -> str:
-    quant_ops()
-    for line in open("/proc/self/maps"):
-        if "tokenmill_quant" in line:
-            return line.split()[-1]
-    raise SystemExit("the quantized kernels' library is not loaded")
+from tokenmill.model.quant_kernels import library_path
 
 
 def main() -> None:
-    lib = library_path()
+    lib = str(library_path())
     def run(*cmd: str, stdin: str | None = None) -> str:
         return subprocess.run(cmd, input=stdin, capture_output=True, text=True, check=True).stdout
 

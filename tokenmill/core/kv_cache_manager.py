@@ -84,7 +84,9 @@ class KVCacheManager:
         keep = -(-num_tokens // self.block_size)
         if blocks is None or len(blocks) <= keep:
             return None
-        assert keep >= self._num_hashed.get(req.request_id, 0)
+        if keep < self._num_hashed.get(req.request_id, 0):  # an engine bug, not bad input: fail loudly
+            raise RuntimeError(f"trim of {req.request_id} to {num_tokens} tokens would free blocks in the "
+                               "prefix cache (only rejected drafts' blocks are ever trimmed)")
         self.pool.free(reversed(blocks[keep:]))
         del blocks[keep:]
         return keep

@@ -75,6 +75,11 @@ def _build(kind: str, variant: str) -> Path:
     return build_library(f"tokenmill_{kind}_{variant}", sources, flags, HEADERS, unity=False)
 
 
+def library_path(kind: str = "quant", variant: str | None = None) -> Path:
+    """The shared library of a kind and variant (default: the active ISA's), built on first use."""
+    return _build(kind, variant or variant_for(active_isa()))
+
+
 def _library(kind: str, variant: str | None):
     from tokenmill.model.kernels import build_error_line
 
@@ -83,7 +88,7 @@ def _library(kind: str, variant: str | None):
     with _lock:
         if ns not in _loaded:
             try:
-                torch.ops.load_library(str(_build(kind, variant)))
+                torch.ops.load_library(str(library_path(kind, variant)))
             except Exception as e:
                 raise RuntimeError(f"tokenmill's quantized kernels ({kind}, {variant}) could not be built: "
                                    f"{type(e).__name__}: {build_error_line(e)}") from e
