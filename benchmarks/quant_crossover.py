@@ -55,8 +55,9 @@ def main() -> None:
     ops = quant_ops()
     rng = np.random.default_rng(0)
     print(f"{describe()}, {torch.get_num_threads()} threads, {args.act_bits}-bit codes, load {os.getloadavg()[0]:.2f}")
-    print(f"| shape | M | packed ms | dequant+GEMM ms | dense {args.dtype} ms | fastest quantized |")
-    print("|---|---|---|---|---|---|")
+    print(f"| shape | M | packed ms | packed G multiply-adds/s | dequant+GEMM ms | dense {args.dtype} ms | "
+          "fastest quantized |")
+    print("|---|---|---|---|---|---|---|")
     for name in args.shapes.split(","):
         fmt, n, k = SHAPES[name]
         qt = FORMATS[fmt].id
@@ -73,8 +74,8 @@ def main() -> None:
             c = timeit(partial(torch.ops.mkldnn._linear_pointwise, x, packed_dense, None, "none", [], ""))
             if crossover is None and b < a:
                 crossover = m
-            print(f"| {name} ({fmt} {n}x{k}) | {m} | {a * 1e3:.3f} | {b * 1e3:.3f} | {c * 1e3:.3f} | "
-                  f"{'packed' if a <= b else 'dequant+GEMM'} |", flush=True)
+            print(f"| {name} ({fmt} {n}x{k}) | {m} | {a * 1e3:.3f} | {m * n * k / a / 1e9:.0f} | {b * 1e3:.3f} | "
+                  f"{c * 1e3:.3f} | {'packed' if a <= b else 'dequant+GEMM'} |", flush=True)
         print(f"crossover for {name}: {crossover}")
 
 

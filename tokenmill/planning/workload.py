@@ -11,6 +11,8 @@ import json
 import random
 from dataclasses import dataclass
 
+import numpy as np
+
 from tokenmill.bench.serve import arrival_times
 from tokenmill.errors import ConfigError
 
@@ -23,21 +25,24 @@ class TraceRequest:
     priority: int = 0
 
 
-def _lengths(rng: random.Random, n: int, ratio: float) -> int:
-    return rng.randint(max(1, int(n * (1 - ratio))), max(1, int(n * (1 + ratio))))
+def _length_bounds(n: int, ratio: float) -> tuple[int, int]:
+    return max(1, int(n * (1 - ratio))), max(1, int(n * (1 + ratio)))
 
 
 def synthetic_trace(num: int, input_len: int, output_len: int, range_ratio: float = 0.0,
                     shared_prefix_len: int = 0, vocab_size: int = 32000, seed: int = 0) -> list[TraceRequest]:
     """Like `bench serve`'s synthetic prompts: lengths uniform in len * (1 +- range_ratio), random tokens
-    (which never share a prefix), after an optional prefix common to all."""
-    rng = random.Random(seed)
-    prefix = [rng.randrange(vocab_size) for _ in range(shared_prefix_len)]
-    out = []
-    for _ in range(num):
-        n_in, n_out = _lengths(rng, input_len, range_ratio), _lengths(rng, output_len, range_ratio)
-        out.append(TraceRequest(prefix + [rng.randrange(vocab_size) for _ in range(n_in)], n_out))
-    return out
+    (which never share a prefix), after an optional prefix common to all. Drawn in bulk: a knee search
+    builds traces of ~10^4 requests a dozen times, and token by token that was a third of its time."""
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(vocab_size, size=shared_prefix_len).tolist()
+    lo, hi = _length_bounds(input_len, range_ratio)
+    n_in = rng.integers(lo, hi + 1, size=num)
+    lo, hi = _length_bounds(output_len, range_ratio)
+    n_out = rng.integers(lo, hi + 1, size=num).tolist()
+    tokens = rng.integers(vocab_size, size=int(n_in.sum())).tolist()
+    ends = np.cumsum(n_in).tolist()
+    return [TraceRequest(prefix + tokens[end - n:end], n_out[i]) for i, (n, end) in enumerate(zip(n_in.tolist(), ends))]
 
 
 def with_arrivals(trace: list[TraceRequest], rate: float, burstiness: float = 1.0, seed: int = 0
