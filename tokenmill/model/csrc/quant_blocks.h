@@ -11,8 +11,8 @@
 // Q8_0 and I8 are signed (u = q + 128 would overflow vpmaddubsw): `kSigned` formats give the raw
 // int8 q, and the dot uses |q| . sign(xq, q) where VNNI is missing.
 //
-// The file is compiled once per ISA variant (scalar, AVX2, AVX-512, AVX-512 + VNNI): the SIMD
-// code below is selected by the compiler flags of that variant, never by a run-time check.
+// The decoders here are scalar: the kernels read the x8 layout (quant_x8.h), which the repack
+// builds from these rows at load.
 #pragma once
 
 #include <cstdint>
@@ -294,64 +294,5 @@ bool dispatch_format(int qtype, F&& f) {
     default: return false;
   }
 }
-
-#if defined(__AVX2__)
-// SIMD decoders: chunk c of a row as 32 bytes in a ymm register (raw int8 for signed formats).
-inline __m256i nibbles_lo_hi(const uint8_t* q) {  // 16 bytes -> low nibbles, then high nibbles
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i m = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
-}
-
-inline __m256i bits_to_0x10(uint32_t bits) {  // bit i of `bits` -> byte i = 0x10 or 0
-  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), shuf);
-  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
-  return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
-}
-
-inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-
-template <typename F> inline __m256i simd_bytes(const uint8_t* row, int c);
-
-template <> inline __m256i simd_bytes<FQ4_0>(const uint8_t* row, int c) { return nibbles_lo_hi(row + c * 18 + 2); }
-template <> inline __m256i simd_bytes<FQ4_1>(const uint8_t* row, int c) { return nibbles_lo_hi(row + c * 20 + 4); }
-template <> inline __m256i simd_bytes<FI4G128>(const uint8_t* row, int c) {
-  return nibbles_lo_hi(FI4G128::nibbles(row, c));
-}
-template <> inline __m256i simd_bytes<FQ5_0>(const uint8_t* row, int c) {
-  const uint8_t* b = row + c * 22;
-  uint32_t qh;
-  std::memcpy(&qh, b + 2, 4);
-  return _mm256_or_si256(nibbles_lo_hi(b + 6), bits_to_0x10(qh));
-}
-template <> inline __m256i simd_bytes<FQ5_1>(const uint8_t* row, int c) {
-  const uint8_t* b = row + c * 24;
-  uint32_t qh;
-  std::memcpy(&qh, b + 4, 4);
-  return _mm256_or_si256(nibbles_lo_hi(b + 8), bits_to_0x10(qh));
-}
-template <> inline __m256i simd_bytes<FQ8_0>(const uint8_t* row, int c) { return load32(FQ8_0::raw(row, c)); }
-template <> inline __m256i simd_bytes<FI8Row>(const uint8_t* row, int c) { return load32(FI8Row::raw(row, c)); }
-template <> inline __m256i simd_bytes<FQ4_K>(const uint8_t* row, int c) {
-  const __m256i q = load32(FQ4_K::qs(row, c));
-  return _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_set1_epi32((c & 1) * 4)), _mm256_set1_epi8(0x0F));
-}
-template <> inline __m256i simd_bytes<FQ5_K>(const uint8_t* row, int c) {
-  const __m256i q = load32(FQ5_K::qs(row, c));
-  const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_set1_epi32((c & 1) * 4)), _mm256_set1_epi8(0x0F));
-  const __m256i h = load32(FQ5_K::qh(row, c));  // bit (c & 7) of each byte -> 0x10
-  const __m256i hb = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(c & 7)), _mm256_set1_epi8(1));
-  return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
-}
-template <> inline __m256i simd_bytes<FQ6_K>(const uint8_t* row, int c) {
-  const int r = c & 3;
-  const __m256i q = load32(FQ6_K::ql(row, c));
-  const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(q, _mm256_set1_epi32((r >> 1) * 4)), _mm256_set1_epi8(0x0F));
-  const __m256i h = load32(FQ6_K::qh(row, c));
-  const __m256i hb = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(2 * r)), _mm256_set1_epi8(3));
-  return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4));
-}
-#endif
 
 }  // namespace tmq
