@@ -7,7 +7,8 @@
 // the run it is part of (a speculative verification), or on the thread count.
 // The cache is bf16, or int8 / fp8 e4m3 codes with one float scale per token and kv head
 // (quant_kv.cpp writes them). Keys go to the scores as bf16 (codes exactly; the scale multiplies
-// the score, paged_attention_keys.h), values into floats (code times scale) as each row is loaded.
+// the score, paged_attention_keys.h), and values too (the scale multiplies the token's weight,
+// paged_attention_values.h).
 #pragma once
 
 #include <c10/util/Float8_e4m3fn.h>
@@ -70,13 +71,6 @@ inline void chunk_slots(const C* cache, const int64_t* table, int64_t t0, int64_
   }
 }
 
-// 16 values of a token's K or V row, as floats: a quantized code times the token's scale
-template <typename C>
-inline __m512 kv16(const C* p, float s) {
-  if constexpr (std::is_same_v<C, at::BFloat16>) return f32x16(p);
-  else return _mm512_mul_ps(f32x16(p), _mm512_set1_ps(s));
-}
-
 template <typename C>
 struct PagedKV {  // the cache of one layer: K and V codes, and their scales (unused for bf16)
   const C* k;
@@ -98,17 +92,17 @@ struct Partials {
 }  // namespace tm_paged
 
 #include "paged_attention_keys.h"
+#include "paged_attention_values.h"
 
 namespace tm_paged {
 
-// chunk_partials below for one row (a plain decode) with G known: the values' sums stay in
-// registers; the same operations in the same order.
+// chunk_partials below for one row (a plain decode) with G known, its buffers on the stack; the same
+// operations in the same order.
 template <int NV, int G, typename C>
 void row_chunk(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table, int64_t L, int64_t b, int64_t h,
                int64_t H, int64_t row, int64_t BS, int64_t t0, float scale, Partials& part, float* scores) {
   constexpr int64_t D = 16 * NV;
-  const int64_t Hkv = row / D;
-  const int64_t t1 = std::min(t0 + kKeyChunk, L), n = t1 - t0, nblocks = (L + BS - 1) / BS;
+  const int64_t t1 = std::min(t0 + kKeyChunk, L), n = t1 - t0;
   alignas(64) __m512i kt[kKeyChunk / 16 * 8 * NV];
   alignas(64) float sv[kKeyChunk];
   alignas(64) int32_t qd[G][8 * NV];
@@ -125,74 +119,29 @@ void row_chunk(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table
     float* p = part.at(b, h * G + g, t0 / kKeyChunk);
     p[1] = softmax_chunk(sp[g], n, p[0]);
   }
-  __m512 acc[G][NV];
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_setzero_ps();
-  int64_t slots[kKeyChunk];
-  chunk_slots(kv.v, table, t0, n, BS, row, h, D, nblocks, slots);
-  for (int64_t t = t0; t < t1; ++t) {
-    const C* v = kv.v + slots[t - t0] * row + h * D;
-    __m512 vv[NV];
-    const float vs = slot_scale<C>(kv.vs, slots[t - t0], Hkv, h);
-    for (int j = 0; j < NV; ++j) vv[j] = kv16(v + 16 * j, vs);
-    for (int g = 0; g < G; ++g) {
-      const __m512 pg = _mm512_set1_ps(sp[g][t - t0]);
-      for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_fmadd_ps(pg, vv[j], acc[g][j]);
-    }
+  alignas(64) __m512i vt[kKeyChunk / 2 * NV];
+  alignas(64) int32_t w[G][kKeyChunk / 2];
+  const int32_t* wp[G];
+  float* op[G];
+  stage_values<NV, C>(kv, table, L, t0, n, BS, row, h, vt, sv);
+  for (int g = 0; g < G; ++g) {
+    weight_pairs<C>(sp[g], sv, n, w[g]);
+    wp[g] = w[g];
+    op[g] = part.at(b, h * G + g, t0 / kKeyChunk) + 2;
   }
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(part.at(b, h * G + g, t0 / kKeyChunk) + 2 + 16 * j, acc[g][j]);
-}
-
-// sum_t p_i[t] v[t] for NH queries (out_i), each lane's sum in t order from zero, as row_chunk;
-// each value vector is loaded once into a register for all NH.
-template <int NV, int NH>
-inline void weighted_values(const float* vf, const float* const* p, int64_t n, float* const* out) {
-  __m512 acc[NH][NV];
-  for (int i = 0; i < NH; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 v[NV];
-    for (int j = 0; j < NV; ++j) {
-      v[j] = _mm512_loadu_ps(vf + t * 16 * NV + 16 * j);
-      asm("" : "+v"(v[j]));  // kept in a register, not reloaded by each FMA
-    }
-    for (int i = 0; i < NH; ++i) {
-      const __m512 pt = _mm512_set1_ps(p[i][t]);
-      for (int j = 0; j < NV; ++j) acc[i][j] = _mm512_fmadd_ps(pt, v[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < NH; ++i)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out[i] + 16 * j, acc[i][j]);
-}
-
-// weighted_values for nq queries, as many at once as registers hold
-template <int NV>
-void weighted_values_of(const float* vf, const float* const* p, int64_t nq, int64_t n, float* const* out) {
-  constexpr int64_t kMax = NV == 4 ? 6 : 2;
-  for (int64_t i = 0; i < nq; i += kMax) {
-    switch (std::min(kMax, nq - i)) {
-      case 1: weighted_values<NV, 1>(vf, p + i, n, out + i); break;
-      case 2: weighted_values<NV, 2>(vf, p + i, n, out + i); break;
-      case 3: if constexpr (kMax >= 3) weighted_values<NV, 3>(vf, p + i, n, out + i); break;
-      case 4: if constexpr (kMax >= 4) weighted_values<NV, 4>(vf, p + i, n, out + i); break;
-      case 5: if constexpr (kMax >= 5) weighted_values<NV, 5>(vf, p + i, n, out + i); break;
-      default: if constexpr (kMax >= 6) weighted_values<NV, 6>(vf, p + i, n, out + i); break;
-    }
-  }
+  pair_sums_of<NV>(vt, wp, G, (n + 1) / 2, op);
 }
 
 // Rows [b0, b0 + R) of one run (lengths L0, L0 + 1, ...), kv head h, keys [t0, t0 + kKeyChunk):
-// the partials of every row whose keys reach t0. The chunk's keys are staged and its values turned
-// into floats once (kt, kvf); the scores of all the run's (row, query head) pairs come from the
-// staged keys (chunk_scores), the weighted values of up to 4 heads at once (independent FMA
-// chains); per score and per output lane the same operations in the same order as row_chunk, so a
-// row's result is bit for bit that of the row alone.
+// the partials of every row whose keys reach t0. The chunk's keys and values are staged once; the
+// scores of all the run's (row, query head) pairs come from the staged keys (chunk_scores), their
+// weighted values from the staged values (pair_sums_of); per score and per output lane the same
+// operations in the same order as row_chunk, so a row's result is bit for bit that of the row alone.
 struct Scratch {  // a thread's buffers, reused across its tasks
-  std::vector<float> scores, kvf;
-  std::vector<int32_t> qbuf;
-  std::vector<__m512i> kt;
-  std::vector<const int32_t*> qp;
+  std::vector<float> scores;
+  std::vector<int32_t> qbuf, wbuf;
+  std::vector<__m512i> kt;  // the staged keys, then the staged values
+  std::vector<const int32_t*> qp, wp;
   std::vector<float*> sp, op;
 };
 
@@ -200,19 +149,19 @@ template <int NV, typename C>
 void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table, const int64_t* seq_lens,
                     int64_t b0, int64_t R, int64_t h, int64_t H, int64_t G, int64_t row, int64_t BS, int64_t t0,
                     float scale, Partials& part, Scratch& scratch) {
-  auto& [scores, kvf, qbuf, kt, qp, sp, op] = scratch;
+  auto& [scores, qbuf, wbuf, kt, qp, wp, sp, op] = scratch;
   constexpr int64_t D = 16 * NV;
-  const int64_t Hkv = row / D;
   const int64_t L0 = seq_lens[b0], Lmax = seq_lens[b0 + R - 1];
   const int64_t t1 = std::min(t0 + kKeyChunk, Lmax), n = t1 - t0;
   const int64_t r0 = std::max<int64_t>(0, t0 - L0 + 1);  // rows before r0 end before t0
   const int64_t Q = (R - r0) * G;  // the (row, head) pairs that reach this chunk
   qbuf.resize(Q * 8 * NV);
   scores.resize(Q * kKeyChunk + kKeyChunk);
-  kvf.resize(kKeyChunk * D);
-  kt.resize(kKeyChunk / 16 * 8 * NV);
+  wbuf.resize(Q * kKeyChunk / 2);
+  kt.resize(kKeyChunk / 16 * 8 * NV + kKeyChunk / 2 * NV);
   float* sv = scores.data() + Q * kKeyChunk;
   qp.resize(Q);
+  wp.resize(Q);
   sp.resize(Q);
   op.resize(Q);
   for (int64_t i = 0; i < Q; ++i) {
@@ -222,28 +171,24 @@ void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* 
   }
   stage_keys<NV, C>(kv, table, Lmax, t0, n, BS, row, h, scale, kt.data(), sv);
   chunk_scores<NV>(qp.data(), Q, kt.data(), n, sv, sp.data());
-  const int64_t nblocks = (Lmax + BS - 1) / BS;
-  float* vf = kvf.data();
-  int64_t slots[kKeyChunk];
-  chunk_slots(kv.v, table, t0, n, BS, row, h, D, nblocks, slots);
-  for (int64_t t = t0; t < t1; ++t) {
-    const C* src = kv.v + slots[t - t0] * row + h * D;
-    const float s = slot_scale<C>(kv.vs, slots[t - t0], Hkv, h);
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(vf + (t - t0) * D + 16 * j, kv16(src + 16 * j, s));
-  }
+  __m512i* vt = kt.data() + kKeyChunk / 16 * 8 * NV;
+  stage_values<NV, C>(kv, table, Lmax, t0, n, BS, row, h, vt, sv);
   for (int64_t r = r0; r < R; ++r) {
     const int64_t nr = std::min(t1, L0 + r) - t0;  // the keys this row reaches
     for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = (r - r0) * G + g;
       float* p = part.at(b0 + r, h * G + g, t0 / kKeyChunk);
-      p[1] = softmax_chunk(sp[(r - r0) * G + g], nr, p[0]);
-      op[(r - r0) * G + g] = p + 2;
+      p[1] = softmax_chunk(sp[i], nr, p[0]);
+      weight_pairs<C>(sp[i], sv, nr, &wbuf[i * kKeyChunk / 2]);
+      wp[i] = &wbuf[i * kKeyChunk / 2];
+      op[i] = p + 2;
     }
   }
   if (L0 + r0 >= t1) {  // every row reaches all n keys: the queries of all rows together
-    weighted_values_of<NV>(vf, sp.data(), Q, n, op.data());
+    pair_sums_of<NV>(vt, wp.data(), Q, (n + 1) / 2, op.data());
   } else {
     for (int64_t r = r0; r < R; ++r)
-      weighted_values_of<NV>(vf, sp.data() + (r - r0) * G, G, std::min(t1, L0 + r) - t0, op.data() + (r - r0) * G);
+      pair_sums_of<NV>(vt, wp.data() + (r - r0) * G, G, (std::min(t1, L0 + r) - t0 + 1) / 2, op.data() + (r - r0) * G);
   }
 }
 

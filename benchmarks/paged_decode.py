@@ -1,0 +1,70 @@
+"""The paged decode attention kernel alone, one layer's call, on model-like shapes: B sequences of
+`ctx` tokens each, H query heads over Hkv kv heads of D dims, blocks of 16 in a shuffled pool (as
+a long-running engine leaves them). Two pools are used in turn, so that a call does not find the
+last call's KV in the L3. Prints the median time per call, the KV bytes it read per second and
+its multiply-adds (scores and weighted values) per second.
+
+    python benchmarks/paged_decode.py [--shapes "64x9/3x64@512,16x12/2x128@2048"] [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from tokenmill.model.kernels import load_cpu_kernels
+from tokenmill.utils.cpu import describe
+from tokenmill.worker.cpu_env import configure_cpu
+
+# B x H/Hkv x D @ ctx: SmolLM2 (9/3 heads of 64) and Qwen2.5-1.5B (12/2 heads of 128)
+SHAPES = "64x9/3x64@512,16x9/3x64@2048,16x12/2x128@2048,4x12/2x128@8192,64x12/2x128@512,1x12/2x128@4096"
+
+
+def parse(shape: str) -> tuple[int, int, int, int, int]:
+    b, rest = shape.split("x", 1)
+    heads, rest = rest.split("x", 1)
+    d, ctx = rest.split("@")
+    h, hkv = heads.split("/")
+    return int(b), int(h), int(hkv), int(d), int(ctx)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=SHAPES)
+    ap.add_argument("--reps", type=int, default=7, help="timed passes of 20 calls; the median is reported")
+    args = ap.parse_args()
+    configure_cpu(None)
+    if not load_cpu_kernels():
+        raise SystemExit("the CPU kernels could not be built")
+    torch.manual_seed(0)
+    print(f"{describe()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
+    print("| B x H/Hkv x D @ ctx | us per call | KV GB/s | G multiply-adds/s |")
+    print("|---|---|---|---|")
+    block = 16
+    for shape in args.shapes.split(","):
+        B, H, Hkv, D, ctx = parse(shape)
+        nb = -(-ctx // block)
+        pools = [(torch.randn(B * nb + 1, block, Hkv, D).bfloat16(), torch.randn(B * nb + 1, block, Hkv, D).bfloat16())
+                 for _ in range(2)]
+        tables = torch.randperm(B * nb).view(B, nb)
+        lens = torch.full((B,), ctx, dtype=torch.long)
+        q = torch.randn(B, H, D).bfloat16()
+        out = torch.empty_like(q)
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            for i in range(20):
+                k, v = pools[i % 2]
+                torch.ops.tokenmill.paged_decode_attention(out, q, k, v, tables, lens, D ** -0.5)
+            times.append((time.perf_counter() - t0) / 20)
+        t = statistics.median(times)
+        kv_bytes, macs = 2 * B * ctx * Hkv * D * 2, 2 * B * H * ctx * D
+        print(f"| {shape} | {t * 1e6:.0f} | {kv_bytes / t / 1e9:.1f} | {macs / t / 1e9:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
