@@ -33,7 +33,7 @@ def synthetic_trace(num: int, input_len: int, output_len: int, range_ratio: floa
                     shared_prefix_len: int = 0, vocab_size: int = 32000, seed: int = 0) -> list[TraceRequest]:
     """Like `bench serve`'s synthetic prompts: lengths uniform in len * (1 +- range_ratio), random tokens
     (which never share a prefix), after an optional prefix common to all. Drawn in bulk: a knee search
-    builds traces of ~10^4 requests a dozen times, and token by token that was a third of its time."""
+    builds traces of ~10^4 requests a dozen times, and token by token that was ~15% of its time."""
     rng = np.random.default_rng(seed)
     prefix = rng.integers(vocab_size, size=shared_prefix_len).tolist()
     lo, hi = _length_bounds(input_len, range_ratio)
