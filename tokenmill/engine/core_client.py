@@ -21,6 +21,12 @@ class EngineCoreClient:
     def add_request(self, request: EngineCoreRequest) -> None:
         raise NotImplementedError
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        """Several requests that the core takes before its next step, all or none of them (an
+        offline batch: the same batches, so the same results, in process or not)."""
+        for request in requests:
+            self.add_request(request)
+
     def abort_requests(self, request_ids: list[str]) -> None:
         raise NotImplementedError
 

@@ -27,7 +27,7 @@ from tokenmill.errors import EngineStepError
 logger = logging.getLogger(__name__)
 
 # front end -> core
-ADD, ABORT, CALL, STOP = b"A", b"X", b"C", b"Q"
+ADD, ADD_MANY, ABORT, CALL, STOP = b"A", b"M", b"X", b"C", b"Q"
 # core -> front end
 OUTPUTS, STEP_FAILED, RESULT, READY, FATAL = b"O", b"E", b"R", b"Y", b"F"
 
@@ -138,6 +138,7 @@ def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.
         poller.register(parent.sentinel, zmq.POLLIN)
     ppid = os.getppid()
     decode_request = msgspec.msgpack.Decoder(EngineCoreRequest).decode
+    decode_requests = msgspec.msgpack.Decoder(list[EngineCoreRequest]).decode
     decode_ids = msgspec.msgpack.Decoder(list[str]).decode
     decode_call = msgspec.msgpack.Decoder(CoreCall).decode
     while True:
@@ -154,6 +155,9 @@ def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.
             changed = True
             if kind == ADD:
                 core.add_request(decode_request(payload.buffer))
+            elif kind == ADD_MANY:
+                for request in decode_requests(payload.buffer):
+                    core.add_request(request)
             elif kind == ABORT:
                 core.abort_requests(decode_ids(payload.buffer))
             elif kind == CALL:

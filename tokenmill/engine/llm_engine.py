@@ -112,15 +112,23 @@ class LLMEngine:
         return self.processor.process(request_id, prompt, params or SamplingParams(), arrival_time,
                                       add_special_tokens, prompt_token_ids, priority)
 
-    def add_processed(self, p: ProcessedRequest) -> None:
-        if p.request_id in self.output_processor.requests:
-            raise InvalidRequestError(f"request id {p.request_id!r} is already in use", param="request_id")
-        self.output_processor.add_request(p)
+    def add_processed(self, *processed: ProcessedRequest) -> None:
+        """Submit validated requests; several at once reach the core before its next step."""
+        ids = [p.request_id for p in processed]
+        taken = [i for i in ids if i in self.output_processor.requests]
+        if taken or len(set(ids)) < len(ids):
+            rid = taken[0] if taken else next(i for i in ids if ids.count(i) > 1)
+            raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        for p in processed:
+            self.output_processor.add_request(p)
+        children = [child for p in processed for child in p.children]
         try:
-            for child in p.children:
-                self.core_client.add_request(child)
-        except ServiceUnavailableError:  # e.g. every replica is restarting: this request fails, not the engine
-            self.core_client.abort_requests(self.output_processor.abort([p.request_id]))
+            if len(children) == 1:
+                self.core_client.add_request(children[0])
+            else:
+                self.core_client.add_requests(children)
+        except ServiceUnavailableError:  # e.g. every replica is restarting: these requests fail, not the engine
+            self.core_client.abort_requests(self.output_processor.abort(ids))
             raise
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

@@ -139,6 +139,9 @@ class MPClient(EngineCoreClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(wire.ADD, request)
 
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self._send(wire.ADD_MANY, requests)  # one message: the core reads them all before it steps
+
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids and self.dead_error is None:
             self._send(wire.ABORT, list(request_ids))

@@ -56,8 +56,7 @@ class LLM:
         processed = [self.engine.process(str(next(self._ids)), prompt, _final_only(p), add_special_tokens=add,
                                          priority=prio)
                      for (prompt, add), p, prio in zip(prompts, params, priority)]
-        for p in processed:
-            self.engine.add_processed(p)
+        self.engine.add_processed(*processed)
         order = [p.request_id for p in processed]
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Processed prompts", unit=" req", disable=not use_tqdm,

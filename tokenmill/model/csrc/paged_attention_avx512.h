@@ -31,12 +31,7 @@ inline void prefetch_block(const C* first_row, int64_t rows, int64_t row_stride,
       _mm_prefetch(reinterpret_cast<const char*>(first_row + r * row_stride) + b, _MM_HINT_T0);
 }
 
-inline __m512 bf16x16_to_f32(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-// 16 cache values as floats: bf16 exactly; int8 and fp8 e4m3 as their codes (times the token's scale later)
-inline __m512 f32x16(const at::BFloat16* p) { return bf16x16_to_f32(p); }
+// 16 quantized cache values as floats: int8 and fp8 e4m3 as their codes (times the token's scale later)
 inline __m512 f32x16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
 }
