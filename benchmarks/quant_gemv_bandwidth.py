@@ -8,6 +8,7 @@ reference, the same copies summed by torch (a plain streaming read) in the same 
 
     python benchmarks/quant_gemv_bandwidth.py [--shapes qwen1.5b gate_up,qwen1.5b down] [--gib 1.5]
     python benchmarks/quant_gemv_bandwidth.py --prefetch 1024,4096   # distances side by side, alternating
+    python benchmarks/quant_gemv_bandwidth.py --prefetch 16384:1,16384:2   # into L1 against into L2
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 import numpy as np
 import torch
+from single_stream import parse_prefetch
 
 from tokenmill.model.layers.quantization.formats import FORMATS, random_blocks
 from tokenmill.model.quant_kernels import quant_ops
@@ -52,10 +54,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--act-bits", type=int, default=16)
     ap.add_argument("--prefetch", default="", help="comma-separated prefetch distances (bytes) to compare, "
-                    "each timed in turn within every round (default: the one set for this CPU)")
+                    "each timed in turn within every round (default: the one set for this CPU); 16384:2 "
+                    "prefetches into L2, 16384:1 into L1")
     args = ap.parse_args()
     ops = quant_ops()
-    dists = [int(d) for d in args.prefetch.split(",") if d]
+    dists = [d for d in args.prefetch.split(",") if d]
     rng = np.random.default_rng(0)
     print(f"{describe()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
     cols = [f"prefetch {d}" for d in dists] or ["packed GEMV"]
@@ -78,7 +81,7 @@ def main() -> None:
         for _ in range(args.rounds):  # distances interleaved, so that a change of load hits all alike
             for d in cold:
                 if d is not None:
-                    ops.set_prefetch_ahead(d)
+                    ops.set_prefetch_ahead(*parse_prefetch(d))
                 cold[d] = max(cold[d], best_rate(gemv, copies, w.numel(), 1))
         hot = best_rate(gemv, [w] * count, w.numel(), args.rounds)
         as_u64 = [c.view(torch.int64) for c in copies]  # sum over 8-byte words: a read-bound pass

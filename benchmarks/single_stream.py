@@ -2,6 +2,7 @@
 
     python benchmarks/single_stream.py --model smollm2-135m --input-len 128 --output-len 256 [engine flags]
     python benchmarks/single_stream.py --model qwen2.5-coder-1.5b --prefetch 4096,16384 --repeat 4
+    python benchmarks/single_stream.py --model qwen2.5-coder-1.5b --prefetch 16384:1,16384:2  # L1 or L2
 
 Prints one JSON line: prefill_tok_s (prompt tokens / time of the steps that prefill it),
 decode_tok_s (new tokens after the first / their time), and the engine's settings. With
@@ -19,7 +20,7 @@ import time
 from tokenmill.bench.datasets import synthetic
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.entrypoints.cli.args import add_engine_args, engine_config_from_args
-from tokenmill.model.quant_kernels import quant_ops
+from tokenmill.model.quant_kernels import prefetch_level, quant_ops
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.utils.cpu import describe
 
@@ -40,12 +41,19 @@ def run(engine: LLMEngine, prompt: list[int], output_len: int) -> tuple[float, f
     return len(prompt) / (t1 - t0), steps / (t2 - t1)
 
 
+def parse_prefetch(spec: str) -> tuple[int, int]:
+    """"16384" or "16384:2": a distance in bytes, and the cache level (default this CPU's)."""
+    dist, _, level = spec.partition(":")
+    return int(dist), int(level) if level else prefetch_level()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=3, help="runs after one warm-up; the best is reported")
-    ap.add_argument("--prefetch", default="", help="comma-separated prefetch distances (bytes) to compare")
+    ap.add_argument("--prefetch", default="", help="comma-separated prefetch distances (bytes) to compare, each "
+                    "optionally with the cache level it fills: 16384:1 (L1), 16384:2 (L2)")
     add_engine_args(ap)
     args = ap.parse_args()
     cfg = engine_config_from_args(args)
@@ -56,12 +64,12 @@ def main() -> None:
     (req,) = synthetic(engine.tokenizer, 1, args.input_len, args.output_len, 0.0, seed=0)
     prompt = engine.tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
     run(engine, prompt, 8)
-    dists = [int(d) for d in args.prefetch.split(",") if d] or [None]
+    dists = [d for d in args.prefetch.split(",") if d] or [None]
     results = {d: [] for d in dists}
     for _ in range(args.repeat):
         for d in dists:
             if d is not None:
-                quant_ops().set_prefetch_ahead(d)
+                quant_ops().set_prefetch_ahead(*parse_prefetch(d))
             results[d].append(run(engine, prompt, args.output_len))
     w = engine.core.worker
     for d, rs in results.items():

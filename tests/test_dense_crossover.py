@@ -20,17 +20,21 @@ pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ to
 Q4_K, Q6_K, Q4_1 = (FORMATS[f].id for f in ("Q4_K", "Q6_K", "Q4_1"))
 
 
-def _cpu(monkeypatch, vendor: str, level: str) -> None:
+def _cpu(monkeypatch, vendor: str, level: str, family: str = "6") -> None:
     monkeypatch.setattr(packed, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(packed, "active_isa", lambda: level)
+    monkeypatch.setattr(packed, "cpu_family", lambda: family)
 
 
 def test_crossover_follows_cpu_kind_codes_and_format(monkeypatch):
-    _cpu(monkeypatch, "AuthenticAMD", "avx512_bf16")
+    _cpu(monkeypatch, "AuthenticAMD", "avx512_bf16", "26")
     assert packed.default_dense_min_rows(16, Q4_K) == 128
     assert packed.default_dense_min_rows("auto", Q6_K) == 128  # as 16 until measured
     assert packed.default_dense_min_rows(8, Q4_K) == 0  # the packed kernel at every row count
     assert packed.default_dense_min_rows(8, Q6_K) == 512
+    _cpu(monkeypatch, "AuthenticAMD", "avx512_bf16", "25")  # a Zen 4: its own table first
+    assert packed.default_dense_min_rows(8, Q6_K) == 2048
+    assert packed.default_dense_min_rows(8, FORMATS["Q5_0"].id) == 0
     _cpu(monkeypatch, "GenuineIntel", "avx512_bf16")
     assert packed.default_dense_min_rows(16, Q6_K) == packed.default_dense_min_rows(8, Q6_K) == 0
     _cpu(monkeypatch, "GenuineIntel", "avx2")

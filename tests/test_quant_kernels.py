@@ -159,8 +159,9 @@ def test_dequantize_to_bf16_rounds_each_float_to_nearest_even(variant, name):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_prefetch_distance_changes_no_result(variant):
-    """The one-row kernel's prefetch distance (set per CPU vendor at load) only moves reads earlier."""
-    from tokenmill.model.quant_kernels import prefetch_ahead
+    """The one-row kernel's prefetch distance and cache level (set per CPU vendor at load) only move
+    reads earlier."""
+    from tokenmill.model.quant_kernels import prefetch_ahead, prefetch_level
 
     rows, k = 72, 1536
     rng = np.random.default_rng(8)
@@ -171,13 +172,14 @@ def test_prefetch_distance_changes_no_result(variant):
     outs = []
     try:
         for dist in (0, 64, 1024, 4096, 1 << 20):
-            ops.set_prefetch_ahead(dist)
-            for m in (1, 3):
-                out = torch.empty(m, rows)
-                ops.qlinear(out, x[:m], [packed], [qt], [rows], None, 0, 16)
-                outs.append(out)
+            for level in (1, 2):
+                ops.set_prefetch_ahead(dist, level)
+                for m in (1, 3):
+                    out = torch.empty(m, rows)
+                    ops.qlinear(out, x[:m], [packed], [qt], [rows], None, 0, 16)
+                    outs.append(out)
     finally:
-        ops.set_prefetch_ahead(prefetch_ahead())
+        ops.set_prefetch_ahead(prefetch_ahead(), prefetch_level())
     for i, out in enumerate(outs):
         assert torch.equal(out, outs[i % 2]), i
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.utils.cpu import ISA_LEVELS, active_isa, cpu_vendor, hardware_isa
+from tokenmill.utils.cpu import ISA_LEVELS, active_isa, cpu_family, cpu_vendor, hardware_isa
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,10 @@ VARIANT_FLAGS = {
 # gate_up and the LM head; flat from 12 to 64 KiB) than at 4 (benchmarks/quant_gemv_bandwidth.py;
 # BENCHMARKS.md, issue 8).
 PREFETCH_AHEAD = {"AuthenticAMD": 16384}
+# The cache level those prefetches fill, per CPU vendor and family (others: 1, L1). An AMD EPYC Zen 4
+# (family 25) decoded Qwen-1.5B 1.17-1.40x faster into L2 (2), SmolLM2 1.09-1.26x; a Zen 5 (26)
+# measured no better into L2 (BENCHMARKS.md, issue 8).
+PREFETCH_LEVEL = {("AuthenticAMD", "25"): 2}
 _LEVEL_VARIANT = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512_vnni",
                   "amx": "avx512_vnni"}
 _lock = threading.Lock()
@@ -55,6 +59,11 @@ _loaded: dict[str, object] = {}
 def prefetch_ahead() -> int:
     """The packed GEMV's prefetch distance for this CPU (bytes)."""
     return PREFETCH_AHEAD.get(cpu_vendor(), 1024)
+
+
+def prefetch_level() -> int:
+    """The cache level (1 or 2) the packed GEMV prefetches its weights into on this CPU."""
+    return PREFETCH_LEVEL.get((cpu_vendor(), cpu_family()), 1)
 
 
 def variant_for(level: str) -> str:
@@ -94,7 +103,7 @@ def _library(kind: str, variant: str | None):
                                    f"{type(e).__name__}: {build_error_line(e)}") from e
             _loaded[ns] = getattr(torch.ops, ns)
             if kind == "quant":
-                _loaded[ns].set_prefetch_ahead(prefetch_ahead())
+                _loaded[ns].set_prefetch_ahead(prefetch_ahead(), prefetch_level())
         return _loaded[ns]
 
 

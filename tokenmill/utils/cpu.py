@@ -48,6 +48,11 @@ def cpu_vendor() -> str:
     return _cpuinfo_field("vendor_id")
 
 
+def cpu_family() -> str:
+    """The CPU family number ("25": AMD Zen 3/4, "26": Zen 5; "6": Intel's cores), "" where unknown."""
+    return _cpuinfo_field("cpu family")
+
+
 def hardware_isa() -> str:
     """The highest level whose features this CPU has (each level needs the ones below it)."""
     flags, level = cpu_flags(), "scalar"
@@ -93,7 +98,9 @@ def has_fast_bf16() -> bool:
 
 
 def describe() -> str:
-    """For logs and benchmark records: CPU model and the ISA level in use."""
+    """For logs and benchmark records: CPU model (and family: a VM's "AMD EPYC" is a Zen 4 or a Zen 5)
+    and the ISA level in use."""
     model = _cpuinfo_field("model name") or "unknown CPU"
+    family = f" (family {cpu_family()})" if cpu_family() else ""
     hw, act = hardware_isa(), active_isa()
-    return f"{model}, ISA {act}" + ("" if act == hw else f" (capped from {hw})")
+    return f"{model}{family}, ISA {act}" + ("" if act == hw else f" (capped from {hw})")

@@ -231,7 +231,8 @@ inline bool sb_type(int qtype) { return qtype == Q4_K || qtype == Q5_K || qtype 
 void pack_tile_sb(const ActRow* a, int mr, int64_t K, uint8_t* dst);
 bool pair_dot_sb(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile, int mr,
                  const Ahead& pf, float out[][16]);
-void set_prefetch_ahead(int64_t bytes);  // the streaming (first) row tile's prefetch distance
+// the streaming (first) row tile's prefetch distance, and the cache level it prefetches into (1 or 2)
+void set_prefetch_ahead(int64_t bytes, int64_t level);
 bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile, int mr, bool fine,
               const Ahead& pf, float out[][16]);
 

@@ -219,7 +219,7 @@ TM_LIBRARY(TM_QUANT_NS, m) {
   m.def("dequantize(Tensor(a!) out, Tensor w, int qtype, int K) -> ()");
   m.def("embedding(Tensor(a!) out, Tensor ids, Tensor w, int qtype, int K) -> ()");
   m.def("variant() -> str", &variant);
-  m.def("set_prefetch_ahead(int bytes) -> ()", &set_prefetch_ahead);
+  m.def("set_prefetch_ahead(int bytes, int level=1) -> ()", &set_prefetch_ahead);
 }
 
 TM_LIBRARY_IMPL(TM_QUANT_NS, CPU, m) {

@@ -105,7 +105,10 @@ __attribute__((noinline)) void pair_dot_t(const uint8_t* g0, const uint8_t* g1, 
 
 }  // namespace
 
-void set_prefetch_ahead(int64_t bytes) { zmm::g_prefetch_ahead = std::max<int64_t>(bytes, 0) / 64 * 64; }
+void set_prefetch_ahead(int64_t bytes, int64_t level) {
+  zmm::g_prefetch_ahead = std::max<int64_t>(bytes, 0) / 64 * 64;
+  zmm::g_prefetch_level = level == 2 ? 2 : 1;
+}
 
 void pack_tile(const ActRow* a, int mr, int64_t K, bool fine, uint8_t* dst) {
   const int CB = tile_code_bytes(fine);
@@ -148,7 +151,7 @@ bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const 
 
 #else
 
-void set_prefetch_ahead(int64_t) {}
+void set_prefetch_ahead(int64_t, int64_t) {}
 
 void pack_tile(const ActRow*, int, int64_t, bool, uint8_t*) {}
 

@@ -23,7 +23,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.model.layers.quantization.base import LinearMethod
 from tokenmill.model.layers.quantization.formats import BY_ID, row_bytes
 from tokenmill.model.quant_kernels import quant_ops
-from tokenmill.utils.cpu import active_isa, cpu_vendor
+from tokenmill.utils.cpu import active_isa, cpu_family, cpu_vendor
 
 # measured crossovers (rows) per ISA level: see BENCHMARKS.md, "Quantized GEMM crossover".
 # avx512_bf16 (a Xeon without AMX, 2026-11-22): the packed kernel is faster than dequant+GEMM, and
@@ -44,7 +44,11 @@ DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", 
 # added from bit planes (Q5_0, Q5_1, Q6_K), where dequant+GEMM wins by 1.1-1.2x from 512. Since
 # the 32-weight block kernels are fully unrolled (quant_zmm.h, static_for), Q5_0 and Q5_1 (9728x896)
 # are packed-faster at 512 rows (1.06-1.07x) and tie at 1024.
-DENSE_MIN_ROWS_8BIT_BY_VENDOR: dict[tuple[str, str], dict[str, int]] = {
+# An AMD EPYC Zen 4 (family 25; 2026-11-27), whose 512-bit operations take two cycles: packed is
+# 1.1-1.3x dequant+GEMM for Q4_K, Q4_1 and Q5_0 at 512-2048 rows, and for Q6_K at 512 (1.13x) and 1024
+# (1.02x); at 2048 Q6_K went either way (1.02x, 0.77x). Keys with a family come first.
+DENSE_MIN_ROWS_8BIT_BY_VENDOR: dict[tuple[str, ...], dict[str, int]] = {
+    ("AuthenticAMD", "avx512_bf16", "25"): {"Q6_K": 2048},
     ("AuthenticAMD", "avx512_bf16"): {"Q5_0": 1024, "Q5_1": 1024, "Q6_K": 512}}
 
 
@@ -53,8 +57,9 @@ def default_dense_min_rows(act_bits: int | str = 16, qtype: int | None = None) -
     measured) and weight format; 0: never dequantize (what qlinear takes as "no dense path")."""
     level = active_isa()
     kind = (cpu_vendor(), level)
-    if act_bits == 8 and kind in DENSE_MIN_ROWS_8BIT_BY_VENDOR:
-        return DENSE_MIN_ROWS_8BIT_BY_VENDOR[kind].get(BY_ID[qtype].name if qtype is not None else "", 0)
+    for key in (kind + (cpu_family(),), kind):
+        if act_bits == 8 and key in DENSE_MIN_ROWS_8BIT_BY_VENDOR:
+            return DENSE_MIN_ROWS_8BIT_BY_VENDOR[key].get(BY_ID[qtype].name if qtype is not None else "", 0)
     return DENSE_MIN_ROWS_BY_VENDOR.get(kind, DENSE_MIN_ROWS[level]) or 0
 
 
