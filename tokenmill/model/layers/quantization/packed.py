@@ -45,7 +45,7 @@ DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", 
 # the 32-weight block kernels are fully unrolled (quant_zmm.h, static_for), Q5_0 and Q5_1 (9728x896)
 # are packed-faster at 512 rows (1.06-1.07x) and tie at 1024.
 # An AMD EPYC Zen 4 (family 25; 2026-11-27), whose 512-bit operations take two cycles: packed is
-# 1.1-1.3x dequant+GEMM for Q4_K, Q4_1 and Q5_0 at 512-2048 rows, and for Q6_K at 512 (1.13x) and 1024
+# 1.05-1.6x dequant+GEMM for Q4_K, Q4_1 and Q5_0 at 512-2048 rows, and for Q6_K at 512 (1.13x) and 1024
 # (1.02x); at 2048 Q6_K went either way (1.02x, 0.77x). Keys with a family come first.
 DENSE_MIN_ROWS_8BIT_BY_VENDOR: dict[tuple[str, ...], dict[str, int]] = {
     ("AuthenticAMD", "avx512_bf16", "25"): {"Q6_K": 2048},
