@@ -115,18 +115,15 @@ class LLMEngine:
     def add_processed(self, *processed: ProcessedRequest) -> None:
         """Submit validated requests; several at once reach the core before its next step."""
         ids = [p.request_id for p in processed]
-        taken = [i for i in ids if i in self.output_processor.requests]
-        if taken or len(set(ids)) < len(ids):
-            rid = taken[0] if taken else next(i for i in ids if ids.count(i) > 1)
-            raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+        new: set[str] = set()
+        for rid in ids:
+            if rid in new or rid in self.output_processor.requests:
+                raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+            new.add(rid)
         for p in processed:
             self.output_processor.add_request(p)
-        children = [child for p in processed for child in p.children]
         try:
-            if len(children) == 1:
-                self.core_client.add_request(children[0])
-            else:
-                self.core_client.add_requests(children)
+            self.core_client.add_requests([child for p in processed for child in p.children])
         except ServiceUnavailableError:  # e.g. every replica is restarting: these requests fail, not the engine
             self.core_client.abort_requests(self.output_processor.abort(ids))
             raise

@@ -57,9 +57,10 @@ def default_dense_min_rows(act_bits: int | str = 16, qtype: int | None = None) -
     measured) and weight format; 0: never dequantize (what qlinear takes as "no dense path")."""
     level = active_isa()
     kind = (cpu_vendor(), level)
-    for key in (kind + (cpu_family(),), kind):
-        if act_bits == 8 and key in DENSE_MIN_ROWS_8BIT_BY_VENDOR:
-            return DENSE_MIN_ROWS_8BIT_BY_VENDOR[key].get(BY_ID[qtype].name if qtype is not None else "", 0)
+    if act_bits == 8:
+        for key in (kind + (cpu_family(),), kind):
+            if key in DENSE_MIN_ROWS_8BIT_BY_VENDOR:
+                return DENSE_MIN_ROWS_8BIT_BY_VENDOR[key].get(BY_ID[qtype].name if qtype is not None else "", 0)
     return DENSE_MIN_ROWS_BY_VENDOR.get(kind, DENSE_MIN_ROWS[level]) or 0
 
 
