@@ -1,8 +1,9 @@
 """The paged decode attention kernel alone, one layer's call, on model-like shapes: B sequences of
 `ctx` tokens each, H query heads over Hkv kv heads of D dims, blocks of 16 in a shuffled pool (as
-a long-running engine leaves them). Two pools are used in turn, so that a call does not find the
-last call's KV in the L3. Prints the median time per call, the KV bytes it read per second and
-its multiply-adds (scores and weighted values) per second.
+a long-running engine leaves them). Pools of at least --min-kv-mib in all are used in turn (a
+model's layers), so that a call does not find an earlier call's KV in the L3 and reads it from
+DRAM. Prints the median time per call, the KV bytes it read per second and its multiply-adds
+(scores and weighted values) per second.
 
     python benchmarks/paged_decode.py [--shapes "64x9/3x64@512,16x12/2x128@2048"] [--reps 7]
 """
@@ -21,7 +22,8 @@ from tokenmill.utils.cpu import describe
 from tokenmill.worker.cpu_env import configure_cpu
 
 # B x H/Hkv x D @ ctx: SmolLM2 (9/3 heads of 64) and Qwen2.5-1.5B (12/2 heads of 128)
-SHAPES = "64x9/3x64@512,16x9/3x64@2048,16x12/2x128@2048,4x12/2x128@8192,64x12/2x128@512,1x12/2x128@4096"
+SHAPES = ("64x9/3x64@512,16x9/3x64@2048,16x12/2x128@2048,4x12/2x128@8192,64x12/2x128@512,1x12/2x128@4096,"
+          "1x9/3x64@512,1x9/3x64@2048")
 
 
 def parse(shape: str) -> tuple[int, int, int, int, int]:
@@ -36,6 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--reps", type=int, default=7, help="timed passes of 20 calls; the median is reported")
+    ap.add_argument("--min-kv-mib", type=int, default=64, help="KV of all pools together (above the L3)")
     args = ap.parse_args()
     configure_cpu(None)
     if not load_cpu_kernels():
@@ -48,8 +51,9 @@ def main() -> None:
     for shape in args.shapes.split(","):
         B, H, Hkv, D, ctx = parse(shape)
         nb = -(-ctx // block)
+        pool_bytes = 2 * (B * nb + 1) * block * Hkv * D * 2
         pools = [(torch.randn(B * nb + 1, block, Hkv, D).bfloat16(), torch.randn(B * nb + 1, block, Hkv, D).bfloat16())
-                 for _ in range(2)]
+                 for _ in range(max(2, -(-args.min_kv_mib * 2**20 // pool_bytes)))]
         tables = torch.randperm(B * nb).view(B, nb)
         lens = torch.full((B,), ctx, dtype=torch.long)
         q = torch.randn(B, H, D).bfloat16()
@@ -58,7 +62,7 @@ def main() -> None:
         for _ in range(args.reps):
             t0 = time.perf_counter()
             for i in range(20):
-                k, v = pools[i % 2]
+                k, v = pools[(len(times) * 20 + i) % len(pools)]
                 torch.ops.tokenmill.paged_decode_attention(out, q, k, v, tables, lens, D ** -0.5)
             times.append((time.perf_counter() - t0) / 20)
         t = statistics.median(times)

@@ -23,12 +23,15 @@ constexpr int64_t kKeyChunk = 64;
 inline int64_t key_chunks(int64_t L) { return (L + kKeyChunk - 1) / kKeyChunk; }
 
 // Blocks of a sequence are scattered in the pool, so the hardware prefetcher stalls at every
-// block boundary; fetch the next block's rows of this head while computing on the current one.
+// block boundary; fetch this head's rows kAheadBytes ahead (per stream, K or V), block by block,
+// into L2. One block ahead into L1 read a context from DRAM at 6-9 GB/s on an AMD EPYC Zen 4;
+// 16 KiB into L2 at 10-25 (BENCHMARKS.md, "Paged decode attention from DRAM").
+constexpr int64_t kAheadBytes = 16384;
 template <typename C>
 inline void prefetch_block(const C* first_row, int64_t rows, int64_t row_stride, int64_t row_bytes) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < row_bytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(first_row + r * row_stride) + b, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(first_row + r * row_stride) + b, _MM_HINT_T1);
 }
 
 // 16 quantized cache values as floats: int8 and fp8 e4m3 as their codes (times the token's scale later)
@@ -53,14 +56,21 @@ inline float slot_scale(const float* scales, int64_t slot, int64_t Hkv, int64_t 
 }
 
 // The cache slots (block * BS + offset) of tokens [t0, t0 + n), without a division per token;
-// prefetches each next block's rows of kv head h of `cache` on the way (blocks are scattered).
+// prefetches the rows of kv head h of `cache` kAheadBytes ahead on the way (blocks are scattered):
+// at the chunk's start every block up to there (most already in flight when the previous chunk ran
+// on this thread), then one block per block read.
 template <typename C>
 inline void chunk_slots(const C* cache, const int64_t* table, int64_t t0, int64_t n, int64_t BS, int64_t row,
                         int64_t h, int64_t D, int64_t nblocks, int64_t* slots) {
   int64_t blk = t0 / BS, off = t0 % BS;
+  const int64_t A = std::max<int64_t>(1, kAheadBytes / static_cast<int64_t>(D * sizeof(C)) / BS);
   for (int64_t i = 0; i < n; ++i) {
-    if ((off == 0 || i == 0) && blk + 1 < nblocks)
-      prefetch_block(cache + table[blk + 1] * BS * row + h * D, BS, row, D * sizeof(C));
+    if (i == 0) {
+      for (int64_t a = 1; a <= A && blk + a < nblocks; ++a)
+        prefetch_block(cache + table[blk + a] * BS * row + h * D, BS, row, D * sizeof(C));
+    } else if (off == 0 && blk + A < nblocks) {
+      prefetch_block(cache + table[blk + A] * BS * row + h * D, BS, row, D * sizeof(C));
+    }
     slots[i] = table[blk] * BS + off;
     if (++off == BS) off = 0, ++blk;
   }
