@@ -27,6 +27,10 @@ from tokenmill.utils.cpu import describe
 
 SHAPES = {  # name: (format, N, K)
     "smollm2 gate_up": ("Q4_1", 3072, 576),
+    "smollm2 qkv": ("Q4_1", 960, 576),
+    "smollm2 o": ("Q4_1", 576, 576),
+    "smollm2 down": ("Q4_1", 576, 1536),
+    "smollm2 lm_head": ("Q8_0", 49152, 576),
     "qwen1.5b gate_up": ("Q4_K", 17920, 1536),
     "qwen1.5b down": ("Q6_K", 1536, 8960),
     "qwen1.5b lm_head": ("Q6_K", 151936, 1536),
