@@ -10,6 +10,7 @@ bf16 with batch_invariant. (The scheduler's bookkeeping on rejection: test_spec_
 from __future__ import annotations
 
 import gc
+import json
 
 import pytest
 
@@ -58,7 +59,7 @@ def test_ngram_greedy_identical_to_no_speculation(reference_fp32, name):
     # adaptive off: every step drafts, also beside prefill chunks (which the policy never drafts
     # next to), and the policy's timing cannot leave a run with no rejected draft
     prompts, ref = reference_fp32
-    ngram = NGRAM[:-1] + ', "adaptive": false}'
+    ngram = json.dumps({**json.loads(NGRAM), "adaptive": False})
     llm = LLM(dtype="float32", quantization="none", speculative_config=ngram, progress=False,
               **{**BASE, **CONFIGS[name]})
     outs = _run(llm, prompts)
