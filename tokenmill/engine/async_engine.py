@@ -51,10 +51,11 @@ class AsyncLLMEngine:
         return cls(LLMEngine.from_engine_args(**kwargs))
 
     @classmethod
-    def from_config(cls, config: EngineConfig, progress: bool = False) -> AsyncLLMEngine:
+    def from_config(cls, config: EngineConfig, progress: bool = False, core_client=None) -> AsyncLLMEngine:
         """Loads the model: blocking, call it off the event loop. The core runs in a process of its
-        own unless --no-engine-core-process."""
-        return cls(LLMEngine(config, progress=progress, multiprocess=config.parallel.engine_core_process is not False))
+        own unless --no-engine-core-process; `core_client`: one already starting (see LLMEngine)."""
+        return cls(LLMEngine(config, progress=progress, multiprocess=config.parallel.engine_core_process is not False,
+                             core_client=core_client))
 
     @property
     def served_model_name(self) -> str:

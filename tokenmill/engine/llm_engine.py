@@ -55,19 +55,32 @@ def make_core_client(config: EngineConfig, source, model_config, progress: bool,
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: bool = True, multiprocess: bool | None = None):
-        """multiprocess: run the core in its own process (default: --engine-core-process, else no)."""
+    def __init__(self, config: EngineConfig, progress: bool = True, multiprocess: bool | None = None,
+                 core_client: EngineCoreClient | None = None):
+        """multiprocess: run the core in its own process (default: --engine-core-process, else no).
+        core_client: a core already starting (`tokenmill serve` starts its process before it imports
+        the front end); this engine owns it from here, and stops it if the engine fails to build."""
+        try:
+            self._build(config, progress, multiprocess, core_client)
+        except BaseException:
+            if core_client is not None:
+                core_client.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, progress: bool, multiprocess: bool | None,
+               core_client: EngineCoreClient | None) -> None:
         self.config = config
         t0 = time.monotonic()
         chat_template = load_chat_template(config.model.chat_template)  # fail before the slow part
         if multiprocess is None:
             multiprocess = bool(config.parallel.engine_core_process)
-        from tokenmill.engine.engine_core import EngineCore
+        if core_client is None:
+            from tokenmill.engine.engine_core import EngineCore
 
-        # a cold start's kernel builds run while the model loads; a core in another process loads
-        # what this one builds (it waits on the build's file lock), so they also overlap reading
-        # the GGUF here, before that process starts
-        EngineCore.prefetch(config, load=not multiprocess and config.parallel.data_parallel_size == 1)
+            # a cold start's kernel builds run while the model loads; a core in another process loads
+            # what this one builds (it waits on the build's file lock), so they also overlap reading
+            # the GGUF here, before that process starts. A core started earlier began its own.
+            EngineCore.prefetch(config, load=not multiprocess and config.parallel.data_parallel_size == 1)
         self.source = resolve_model(config.model.model)
         self.model_config = load_model_config(self.source)
         # The tokenizer (importing transformers: ~1.3 s of Python) loads while the weights load (in
@@ -75,8 +88,11 @@ class LLMEngine:
         with ThreadPoolExecutor(1, thread_name_prefix="tokenmill-tokenizer") as pool:
             tokenizer = pool.submit(load_tokenizer, self.source, config.model.tokenizer,
                                     config.model.trust_remote_code)
-            self.core_client: EngineCoreClient = make_core_client(config, self.source, self.model_config, progress,
-                                                                  multiprocess)
+            if core_client is None:
+                core_client = make_core_client(config, self.source, self.model_config, progress, multiprocess)
+            else:
+                core_client.wait_ready()
+            self.core_client: EngineCoreClient = core_client
             self.tokenizer = tokenizer.result()
         # the EngineCore itself, for offline tools that drive its parts (calibration); None when it
         # runs in another process

@@ -19,7 +19,8 @@ from tokenmill.model.attention import get_attention_backend
 from tokenmill.model.attention.quant_kv import bytes_per_token_head, storage_dtype
 from tokenmill.model.layers.batch_invariance import ROW_TILE, verify_row_invariance
 from tokenmill.model.layers.quantization import make_quant_config, resolve_quantization
-from tokenmill.model.loader import ModelSource, build_model, load_model_config, load_tokenizer, resolve_model
+from tokenmill.model.loader import ModelSource, load_model_config, load_tokenizer, resolve_model
+from tokenmill.model.loader.build import build_model
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.model.quant_kernels import quant_kernels_available
 from tokenmill.structured_output.params import GrammarSpec

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from tokenmill.config import ServerConfig
 from tokenmill.entrypoints.cli.args import (
     add_dataclass_args,
@@ -20,8 +22,8 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from tokenmill.entrypoints.openai.launcher import run_server
+def run(args) -> NoReturn:
+    from tokenmill.entrypoints.openai.launcher import exit_process, run_server
 
-    return run_server(engine_config_from_args(args), dataclass_from_args(ServerConfig, args),
-                      log_level=args.log_level)
+    exit_process(run_server(engine_config_from_args(args), dataclass_from_args(ServerConfig, args),
+                            log_level=args.log_level))

@@ -49,9 +49,10 @@ logger = logging.getLogger("tokenmill.server")
 
 
 class ServerState:
-    def __init__(self, engine_config: EngineConfig, config: ServerConfig):
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig, core_client=None):
         self.engine_config = engine_config
         self.config = config
+        self.core_client = core_client  # the core process, when the launcher started it before this module loaded
         self.engine: AsyncLLMEngine | None = None
         self.load_error: BaseException | None = None
         self.draining = False
@@ -87,18 +88,30 @@ class ServerState:
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
-        def build():
+        def report(fn, value) -> bool:
             try:
-                engine = AsyncLLMEngine.from_config(self.engine_config)
+                loop.call_soon_threadsafe(fn, value)
+                return True
+            except RuntimeError:  # the loop is closed: the server stopped while the model loaded
+                return False
+
+        def build():
+            engine = None
+            try:
+                engine = AsyncLLMEngine.from_config(self.engine_config, core_client=self.core_client)
                 if self.config.slo is not None:
                     from tokenmill.entrypoints.openai.slo_admission import SLOGate
                     from tokenmill.planning.admission import parse_admission_slo
 
                     self.slo_gate = SLOGate(engine, self.engine_config, parse_admission_slo(self.config.slo),
                                             self.slo_cost)
-                loop.call_soon_threadsafe(done.set_result, engine)
             except BaseException as e:  # noqa: BLE001 - reported on the loop
-                loop.call_soon_threadsafe(done.set_exception, e)
+                if engine is not None:
+                    engine.shutdown()
+                report(done.set_exception, e)
+                return
+            if not report(done.set_result, engine):
+                engine.shutdown()
 
         threading.Thread(target=build, name="tokenmill-load", daemon=True).start()
         aengine: AsyncLLMEngine = await done
@@ -118,8 +131,8 @@ class ServerState:
         logger.info("serving %s on http://%s:%d", self.model_name, self.config.host, self.config.port)
 
 
-def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure=None) -> FastAPI:
-    state = ServerState(engine_config, config)
+def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure=None, core_client=None) -> FastAPI:
+    state = ServerState(engine_config, config, core_client)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,21 +1,14 @@
-"""Model loading: resolve the source, read its config, build the model, stream weights into it."""
+"""Model loading: resolve the source, read its config and tokenizer. Building the model and reading
+its weights is in build.py: this package's own names import no torch, so the server's front end,
+which needs only these, starts without it."""
 
 from __future__ import annotations
 
-import logging
-
-import torch
-from tqdm import tqdm
-
-from tokenmill.model.layers.quantization.base import QuantConfig
 from tokenmill.model.loader import gguf_loader, hf_loader
 from tokenmill.model.loader.source import ModelSource, resolve_model
 from tokenmill.model.model_config import ModelConfig
-from tokenmill.model.registry import get_model_class
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["ModelSource", "resolve_model", "load_model_config", "build_model", "load_tokenizer"]
+__all__ = ["ModelSource", "resolve_model", "load_model_config", "load_tokenizer", "metadata_cached"]
 
 
 def load_model_config(source: ModelSource) -> ModelConfig:
@@ -24,57 +17,17 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return hf_loader.load_config(source.path)
 
 
-def build_model(source: ModelSource, cfg: ModelConfig, attn_backend, max_position: int,
-                dtype: torch.dtype, device: torch.device, progress: bool = True,
-                quant_config: QuantConfig | None = None) -> torch.nn.Module:
-    model_cls = get_model_class(cfg.architecture)
-    with torch.device(device):
-        model = model_cls(cfg, attn_backend, max_position, dtype=dtype, device=device, quant_config=quant_config)
-    if source.kind == "gguf":
-        packed = quant_config.packed_tensors() if quant_config is not None else set()
-        keep = getattr(model, "loads_tensor", None)  # pipeline stages skip the others' tensors unread
-        weights = gguf_loader.iter_weights(source.path, cfg, dtype, packed, keep)
-        total = None
-    else:
-        weights = hf_loader.iter_weights(source.path, dtype)
-        total = hf_loader.count_tensors(source.path)
-    bar = tqdm(weights, total=total, desc=f"Loading {source.name}", unit=" tensors",
-               disable=not progress, leave=False)
-    model.load_weights(bar)  # each parameter's loader reads its rank's part and copies it to the device
-    if quant_config is not None:
-        quant_config.before_processing(model, source)
-    for module in model.modules():
-        if hasattr(module, "process_weights_after_loading"):
-            module.process_weights_after_loading()
-    if quant_config is not None:
-        quant_config.after_processing(model, source, dtype)
-    model.weight_bytes = resident_weight_bytes(model)
-    return model.eval()
-
-
-def resident_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every weight the model keeps: parameters (shared ones once) and oneDNN-packed copies."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *(m.packed_weight for m in model.modules()
-                                     if getattr(m, "packed_weight", None) is not None)]:
-        key = (t.data_ptr(), t.numel()) if t.layout == torch.strided else id(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-    for m in model.modules():
-        method = getattr(m, "method", None)
-        if method is not None:
-            total += method.extra_bytes(m)
-    return total
+def metadata_cached(source: ModelSource) -> bool:
+    """Whether reading this model's config needs no pass over its weights file: a folder, or a GGUF
+    indexed before (a warm start)."""
+    return source.kind != "gguf" or gguf_loader.is_prepared(source.path)
 
 
 def load_tokenizer(source: ModelSource, override: str | None = None, trust_remote_code: bool = False):
-    from tokenmill.model.loader.hf_import import load_auto_tokenizer
+    from tokenmill.model.loader.hf_import import load_auto_tokenizer, load_named_tokenizer
 
     if override:
-        path = override
-    elif source.kind == "gguf":
-        path = str(gguf_loader.tokenizer_dir(source.path))
-    else:
-        path = str(source.path)
-    return load_auto_tokenizer(path, trust_remote_code=trust_remote_code)
+        return load_auto_tokenizer(override, trust_remote_code=trust_remote_code)
+    if source.kind == "gguf":
+        return load_named_tokenizer(str(gguf_loader.tokenizer_dir(source.path)), trust_remote_code=trust_remote_code)
+    return load_auto_tokenizer(str(source.path), trust_remote_code=trust_remote_code)

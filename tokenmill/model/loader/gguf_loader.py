@@ -14,13 +14,16 @@ import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from tokenmill.errors import ConfigError
 from tokenmill.model.loader.cache import cache_dir, cache_root, file_sha256, publish_dir, remove_stale
 from tokenmill.model.model_config import ModelConfig
+
+if TYPE_CHECKING:  # torch only where weights are read: the front end reads metadata without it
+    import torch
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _LAYER_NAMES = {
@@ -126,6 +129,11 @@ def _build_cache(path: Path, target: Path) -> None:
     publish_dir(tmp, target)
 
 
+def is_prepared(path: Path) -> bool:
+    """Whether this file's config and tensor index are cached (so reading them is cheap)."""
+    return (_cache_dir(path) / "tensors.json").is_file()
+
+
 def prepare(path: Path) -> Path:
     """The cache folder of this GGUF file (built on first use)."""
     target = _cache_dir(path)
@@ -180,6 +188,7 @@ def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: set[s
     uint8, Llama's Q/K rows permuted back whole), the others dequantized on a small thread pool
     (numpy releases the GIL). `keep(hf_name)` False skips a tensor unread (another pipeline
     stage's). Every block's scales are checked first: a corrupt block is an error."""
+    import torch
     from gguf.quants import dequantize
 
     from tokenmill.model.layers.quantization.formats import BY_ID, check_blocks

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from tokenmill.errors import ConfigError
 from tokenmill.model.model_config import ModelConfig
+
+if TYPE_CHECKING:  # torch only where weights are read: the front end reads metadata without it
+    import torch
 
 
 def load_config(path: Path) -> ModelConfig:
@@ -46,6 +48,8 @@ def iter_weights(path: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Te
     files = sorted(path.glob("pytorch_model*.bin"))
     if not files:
         raise ConfigError(f"{path} has no *.safetensors or pytorch_model*.bin weights")
+    import torch
+
     for f in files:
         for name, t in torch.load(f, map_location="cpu", weights_only=True).items():
             yield name, t.to(dtype)

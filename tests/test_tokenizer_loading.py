@@ -1,0 +1,55 @@
+"""A GGUF's tokenizer loads as the class its tokenizer_config.json names, not through AutoTokenizer
+(whose model-config machinery imports torch, which the server's front end otherwise never needs):
+it must be the tokenizer AutoTokenizer gives, token for token. And the front end that results
+starts without torch."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.server_utils import ServerProcess
+from tokenmill.model.loader import gguf_loader, load_tokenizer, resolve_model
+
+TEXTS = ["Hello world", "def f(x):\n    return x ** 2  # ünïcödé 你好 🙂", " leading space", "a" * 40 + "\t\n\r  x",
+         "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>"]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
+
+
+def gguf_sources():
+    out = []
+    for name in ("smollm2-135m", "qwen2.5-coder-0.5b"):
+        try:
+            out.append(pytest.param(resolve_model(name), id=name))
+        except Exception:  # noqa: BLE001 - Qwen is optional (make install-qwen)
+            out.append(pytest.param(None, id=name, marks=pytest.mark.skip(reason=f"{name} not installed")))
+    return out
+
+
+@pytest.mark.parametrize("source", gguf_sources())
+def test_gguf_tokenizer_is_what_auto_tokenizer_loads(source):
+    ours = load_tokenizer(source)
+    auto = AutoTokenizer.from_pretrained(str(gguf_loader.tokenizer_dir(source.path)))
+    assert type(ours) is type(auto)
+    assert len(ours) == len(auto) and ours.all_special_ids == auto.all_special_ids
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (auto.bos_token_id, auto.eos_token_id,
+                                                                         auto.pad_token_id)
+    for text in TEXTS:
+        ids = auto.encode(text)
+        assert ours.encode(text) == ids
+        assert ours.decode(ids) == auto.decode(ids)
+    assert ours.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True) == \
+        auto.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.slow
+def test_server_front_end_runs_without_torch():
+    srv = ServerProcess().wait_ready()
+    try:
+        children = open(f"/proc/{srv.proc.pid}/task/{srv.proc.pid}/children").read().split()
+        maps = {pid: open(f"/proc/{pid}/maps").read() for pid in [str(srv.proc.pid), *children]}
+        assert any("libtorch" in m for m in maps.values()), "no process of the server has torch: a wrong check"
+        assert "libtorch" not in maps[str(srv.proc.pid)], "the front end loaded torch (~1.5 s of every start-up)"
+    finally:
+        assert srv.stop() == 0
