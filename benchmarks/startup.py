@@ -5,7 +5,8 @@ at the server's own log lines.
     python benchmarks/startup.py --cold --runs 1     # cold: an empty cache (kernel build, GGUF index)
 
 Phases: imports (exec -> uvicorn's "Started server process"), weights (-> "loaded ... in"),
-engine (-> "engine ready"), serving (-> "serving ... on"), first 200 (-> /health answers 200).
+engine (-> "engine ready"), serving (-> "serving ... on"), first 200 (-> /health answers 200);
+then the stop: SIGTERM to the process's exit.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ def one_start(extra: list[str], env: dict) -> dict[str, float]:
                      timeout=900, poll=0.02)
         first_200 = time.time()
     finally:
+        stop = time.time()
         proc.terminate()
         proc.wait(30)
+        stop = time.time() - stop
     phases, last = {}, t0
     lines = Path(log.name).read_text().splitlines()
     for name, marker in MARKERS:
@@ -55,6 +58,7 @@ def one_start(extra: list[str], env: dict) -> dict[str, float]:
             last = stamp
     phases["first 200"] = first_200 - last
     phases["total"] = first_200 - t0
+    phases["SIGTERM to exit"] = stop
     os.unlink(log.name)
     return phases
 

@@ -11,6 +11,7 @@ import multiprocessing.util
 import os
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -49,8 +50,10 @@ class MPClient(EngineCoreClient):
         self.proc = self._start(config, input_addr, output_addr, replica)
         # multiprocessing's Finalize, not weakref's: at interpreter exit it runs (exitpriority) before
         # multiprocessing joins its non-daemonic children, so an undropped client cannot hang the exit
+        self._ready = threading.Event()  # set once the core reported ready: from then on it reads STOP
         self._finalizer = multiprocessing.util.Finalize(self, _stop_process, (self.proc, self._ctx, self._in,
-                                                                              self._ipc_dir), exitpriority=10)
+                                                                              self._ipc_dir, self._ready),
+                                                        exitpriority=10)
         self._poller = zmq.Poller()
         self._poller.register(self._out, zmq.POLLIN)
         if self.proc.sentinel is not None:
@@ -93,6 +96,7 @@ class MPClient(EngineCoreClient):
         except BaseException:
             self.shutdown()
             raise
+        self._ready.set()
         self.max_model_len, self.num_blocks = ready.max_model_len, ready.num_blocks
         self._stats.kv_blocks_total = ready.num_blocks
 
@@ -209,10 +213,14 @@ class MPClient(EngineCoreClient):
         self._finalizer()
 
 
-def _stop_process(proc, ctx, input_socket, ipc_dir: str | None) -> None:
+def _stop_process(proc, ctx, input_socket, ipc_dir: str | None, ready: threading.Event) -> None:
     """Ask the core process to stop (shutdown, or this client dropped: e.g. an `LLM` at exit),
-    join it, kill it if it does not stop, free the sockets."""
-    if proc.is_alive():
+    join it, kill it if it does not stop, free the sockets. A core still starting reads no
+    messages (and ignores SIGTERM), so it is killed at once: e.g. the front end found a bad flag
+    after `serve` had started its core."""
+    if proc.is_alive() and not ready.is_set():
+        proc.kill()
+    elif proc.is_alive():
         try:
             input_socket.send_multipart([wire.STOP, b""], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
