@@ -146,16 +146,23 @@ void qlinear(at::Tensor out, const at::Tensor& x, std::vector<at::Tensor> weight
   else run(at::BFloat16{});
 }
 
-// GGUF rows [N, rb] -> x8 groups
-at::Tensor repack(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K) {
+// Bytes of N rows in the x8 layout (whole groups of 8)
+int64_t x8_bytes(int64_t qtype, int64_t N, int64_t K) {
+  return (N + 7) / 8 * x8_group_bytes(static_cast<int>(qtype), K);
+}
+
+// GGUF rows [N, rb] -> x8 groups, into `out` (x8_bytes of them): the loader writes each shard
+// straight from the mapped file into the weight it ends in.
+void repack_into(at::Tensor out, const at::Tensor& w, int64_t qtype, int64_t N, int64_t K) {
   const int qt = static_cast<int>(qtype);
   const X8Geom g = x8_geom(qt);
   TORCH_CHECK(g.qk > 0 && K % g.qk == 0, "repack: unsupported type ", qt, " or K=", K);
   const int64_t rb = row_bytes(qt, K);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == N * rb, "repack: expected ", N,
               " rows of ", rb, " bytes");
-  const int64_t groups = (N + 7) / 8, gb = x8_group_bytes(qt, K);
-  at::Tensor out = at::empty({groups * gb}, w.options());
+  const int64_t groups = (N + 7) / 8;
+  TORCH_CHECK(out.scalar_type() == at::kByte && out.is_contiguous() && out.numel() == x8_bytes(qt, N, K),
+              "repack: the output needs ", x8_bytes(qt, N, K), " bytes");
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t b, int64_t e) {
@@ -163,6 +170,11 @@ at::Tensor repack(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K) {
       for (int64_t gi = b; gi < e; ++gi) x8_repack_group<decltype(fmt)>(src, rb, N, K, qt, gi, dst);
     });
   });
+}
+
+at::Tensor repack(const at::Tensor& w, int64_t qtype, int64_t N, int64_t K) {
+  at::Tensor out = at::empty({x8_bytes(qtype, N, K)}, w.options());
+  repack_into(out, w, qtype, N, K);
   return out;
 }
 
@@ -216,6 +228,8 @@ TM_LIBRARY(TM_QUANT_NS, m) {
   m.def("qlinear(Tensor(a!) out, Tensor x, Tensor[] weights, int[] qtypes, int[] rows, Tensor? bias, "
         "int dense_min_rows, int act_bits=8) -> ()");
   m.def("repack(Tensor w, int qtype, int N, int K) -> Tensor");
+  m.def("repack_into(Tensor(a!) out, Tensor w, int qtype, int N, int K) -> ()");
+  m.def("x8_bytes(int qtype, int N, int K) -> int", &x8_bytes);
   m.def("dequantize(Tensor(a!) out, Tensor w, int qtype, int K) -> ()");
   m.def("embedding(Tensor(a!) out, Tensor ids, Tensor w, int qtype, int K) -> ()");
   m.def("variant() -> str", &variant);
@@ -225,6 +239,7 @@ TM_LIBRARY(TM_QUANT_NS, m) {
 TM_LIBRARY_IMPL(TM_QUANT_NS, CPU, m) {
   m.impl("qlinear", &qlinear);
   m.impl("repack", &repack);
+  m.impl("repack_into", &repack_into);
   m.impl("dequantize", &dequantize);
   m.impl("embedding", &embedding);
 }

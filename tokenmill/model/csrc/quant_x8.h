@@ -134,6 +134,25 @@ inline void x8_chunk_bytes(const uint8_t* body, const X8Geom& g, uint8_t u[8][32
   }
 }
 
+// Row r's 32 values `u` of one chunk into its x8 body (zeroed before): x8_slot with the bit width
+// fixed, so that the unrolled loop's indices are constants (a per-value branch on the width held
+// loading Qwen-1.5B at ~0.3 GB/s).
+template <int BITS>
+inline void x8_scatter_row(uint8_t* body, const uint8_t* u, int r) {
+#pragma GCC unroll 32
+  for (int e = 0; e < 32; ++e) {
+    int v, i;
+    x8_slot(r, e, v, i);
+    if constexpr (BITS == 8) {
+      body[v * 64 + i] = u[e];
+    } else {
+      body[(v & 1) * 64 + i] |= static_cast<uint8_t>((u[e] & 0xF) << ((v >> 1) * 4));
+      if constexpr (BITS >= 5) body[128 + i % 32] |= static_cast<uint8_t>(((u[e] >> 4) & 1) << (2 * v + i / 32));
+      if constexpr (BITS == 6) body[160 + i % 32] |= static_cast<uint8_t>(((u[e] >> 5) & 1) << (2 * v + i / 32));
+    }
+  }
+}
+
 // GGUF (or tokenmill's row formats) -> x8. rows: N rows of `rb` bytes; out: ceil(N/8) groups.
 template <typename F>
 void x8_repack_group(const uint8_t* rows, int64_t rb, int64_t N, int64_t K, int qtype, int64_t gi, uint8_t* out) {
@@ -142,6 +161,9 @@ void x8_repack_group(const uint8_t* rows, int64_t rb, int64_t N, int64_t K, int 
   uint8_t* grp = out + gi * gb;
   std::memset(grp, 0, gb);
   const int cpb = g.qk / 32;
+  void (*scatter)(uint8_t*, const uint8_t*, int) = g.bits == 8 ? x8_scatter_row<8>
+                                                    : g.bits == 6 ? x8_scatter_row<6>
+                                                    : g.bits == 5 ? x8_scatter_row<5> : x8_scatter_row<4>;
   for (int r = 0; r < 8; ++r) {
     const int64_t n = gi * 8 + r;
     if (n >= N) break;
@@ -177,18 +199,7 @@ void x8_repack_group(const uint8_t* rows, int64_t rb, int64_t N, int64_t K, int 
       for (int k = 0; k < cpb; ++k) {
         uint8_t u[32];
         F::bytes(row, static_cast<int>(b * cpb + k), u);
-        uint8_t* body = h + g.block_head + k * g.body;
-        for (int e = 0; e < 32; ++e) {
-          int v, i;
-          x8_slot(r, e, v, i);
-          if (g.bits == 8) {
-            body[v * 64 + i] = u[e];
-            continue;
-          }
-          body[(v & 1) * 64 + i] |= static_cast<uint8_t>((u[e] & 0xF) << ((v >> 1) * 4));
-          if (g.bits >= 5 && (u[e] & 0x10)) body[128 + i % 32] |= static_cast<uint8_t>(1u << (2 * v + i / 32));
-          if (g.bits == 6 && (u[e] & 0x20)) body[160 + i % 32] |= static_cast<uint8_t>(1u << (2 * v + i / 32));
-        }
+        scatter(h + g.block_head + k * g.body, u, r);
       }
     }
   }

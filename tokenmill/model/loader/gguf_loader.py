@@ -194,7 +194,9 @@ def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: set[s
     from tokenmill.model.layers.quantization.formats import BY_ID, check_blocks
 
     index = json.loads((prepare(path) / "tensors.json").read_text())
-    data = np.memmap(path, dtype=np.uint8, mode="r")
+    # copy-on-write: views of it are writable tensors, and the packed ones go to the repack unread
+    # by any copy (a staging copy of Qwen-1.5B's 1 GB cost ~1 s of page faults)
+    data = np.memmap(path, dtype=np.uint8, mode="c")
     permute = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
 
     def load(item):
@@ -212,11 +214,8 @@ def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: set[s
         elif permute and hf.endswith("k_proj.weight"):
             arr = _undo_llama_permute(arr, cfg.num_key_value_heads)
         if hf in packed:
-            return hf, torch.from_numpy(np.array(arr, dtype=np.uint8, order="C"))
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if not arr.flags.writeable:  # a view of the read-only map (unquantized tensors)
-            arr = arr.copy()
-        return hf, torch.from_numpy(arr).to(dtype)
+            return hf, torch.from_numpy(np.ascontiguousarray(arr, dtype=np.uint8))
+        return hf, torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(dtype)
 
     items = [(n, t) for n, t in index.items()
              if (hf := hf_tensor_name(n)) is not None and (keep is None or keep(hf))]

@@ -88,7 +88,8 @@ class PackedLinearMethod(LinearMethod):
             if in_features % BY_ID[qt].block:
                 raise ConfigError(f"{BY_ID[qt].name} weights need an input size that is a multiple of "
                                   f"{BY_ID[qt].block}, got {in_features}")
-        sizes = [n * row_bytes(qt, in_features) for n, qt in zip(shard_sizes, self.qtypes)]
+        # each shard in the kernels' x8 layout: the loader repacks it there from the GGUF's rows
+        sizes = [self.ops.x8_bytes(qt, n, in_features) for n, qt in zip(shard_sizes, self.qtypes)]
         layer.q_rows = list(shard_sizes)
         layer.q_out = sum(shard_sizes)
         layer.q_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
@@ -97,6 +98,7 @@ class PackedLinearMethod(LinearMethod):
                                     requires_grad=False)
         layer.weight.weight_loader = self._loader(layer)
         layer.q_views = None
+        layer.q_x8 = True
 
     def narrow_columns(self, layer, loaded, start, size, shard_id=None):
         """Raw rows [rows, bytes]: the bytes of whole blocks (the QuantConfig chose a dense method
@@ -110,23 +112,27 @@ class PackedLinearMethod(LinearMethod):
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
             loaded = layer.local_part(loaded, shard_id)
             i = list(layer.shard_slices).index(shard_id) if shard_id is not None else 0
-            start, end = layer.q_offsets[i], layer.q_offsets[i + 1]
-            if loaded.dtype != torch.uint8 or loaded.numel() != end - start:
+            qt, n = self.qtypes[i], layer.q_rows[i]
+            if loaded.dtype != torch.uint8 or loaded.numel() != n * row_bytes(qt, layer.q_in):
                 raise ConfigError(f"packed weight shard {shard_id!r}: got {loaded.dtype} x {loaded.numel()}, "
-                                  f"expected {end - start} bytes of {BY_ID[self.qtypes[i]].name}")
-            param.data[start:end].copy_(loaded.reshape(-1))
+                                  f"expected {n * row_bytes(qt, layer.q_in)} bytes of {BY_ID[qt].name}")
+            # straight from the mapped file into the x8 layout: no staging copy of ~1 GB (Qwen-1.5B)
+            self.ops.repack_into(param.data[layer.q_offsets[i]:layer.q_offsets[i + 1]],
+                                 loaded.contiguous().reshape(-1), qt, n, layer.q_in)
 
         return load
 
     def process_weights_after_loading(self, layer) -> None:
-        """GGUF rows -> the kernels' x8 layout (rows interleaved by 8, same size): one new flat tensor."""
-        flat = layer.weight.data
-        parts = [self.ops.repack(flat[a:b], qt, n, layer.q_in)
-                 for a, b, qt, n in zip(layer.q_offsets, layer.q_offsets[1:], self.qtypes, layer.q_rows)]
-        sizes = [p.numel() for p in parts]
-        layer.q_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        layer.weight = nn.Parameter(torch.cat(parts) if len(parts) > 1 else parts[0], requires_grad=False)
-        layer.q_views = None
+        """GGUF rows -> the kernels' x8 layout (rows interleaved by 8): one new flat tensor, unless
+        the loader wrote that layout already (q_x8)."""
+        if not getattr(layer, "q_x8", False):
+            flat = layer.weight.data
+            parts = [self.ops.repack(flat[a:b], qt, n, layer.q_in)
+                     for a, b, qt, n in zip(layer.q_offsets, layer.q_offsets[1:], self.qtypes, layer.q_rows)]
+            sizes = [p.numel() for p in parts]
+            layer.q_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+            layer.weight = nn.Parameter(torch.cat(parts) if len(parts) > 1 else parts[0], requires_grad=False)
+        sizes = [b - a for a, b in zip(layer.q_offsets, layer.q_offsets[1:])]
         self.shard_views(layer)
         self.main_qtype = max(zip(sizes, self.qtypes))[1]
         self.set_act_bits(self.act_bits)
