@@ -92,7 +92,9 @@ def test_greedy_identical_in_bf16_batch_invariant(proposer, smol_path):
     llm = LLM(speculative_config=spec, **args)
     outs = _run(llm, prompts)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
-    assert llm.engine.core.stats().spec_decoding.num_accepted_tokens > 0
+    stats = llm.engine.core.stats().spec_decoding
+    # SmolLM2 drafting for itself agrees on nearly every token (1.0 measured): a broken draft does not
+    assert stats.num_accepted_tokens > 0 and (proposer == "ngram" or stats.acceptance_rate > 0.5), stats
     _check_clean(llm)
     del llm
     gc.collect()
