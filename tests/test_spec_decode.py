@@ -87,13 +87,15 @@ def test_greedy_identical_in_bf16_batch_invariant(proposer, smol_path):
     prompts = _prompts(llm.get_tokenizer())[:24]
     ref = _run(llm, prompts)
     del llm
-    spec = NGRAM if proposer == "ngram" else \
-        f'{{"model": "{smol_path}", "num_speculative_tokens": 3, "quantization": "int4"}}'
+    spec = NGRAM if proposer == "ngram" else json.dumps(
+        {"model": str(smol_path), "num_speculative_tokens": 3, "quantization": "int4", "draft_lookup_min": 0,
+         "adaptive": False})
     llm = LLM(speculative_config=spec, **args)
     outs = _run(llm, prompts)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     stats = llm.engine.core.stats().spec_decoding
-    # SmolLM2 drafting for itself agrees on nearly every token (1.0 measured): a broken draft does not
+    # SmolLM2 drafting for itself agrees on nearly every token (401 of 408 measured; a draft whose int4
+    # layers were left in the wrong layout: 0 of 554). The draft model drafts every step, not a lookup.
     assert stats.num_accepted_tokens > 0 and (proposer == "ngram" or stats.acceptance_rate > 0.5), stats
     _check_clean(llm)
     del llm
