@@ -56,10 +56,10 @@ def test_a_mixed_layer_takes_the_crossover_of_most_of_its_bytes(monkeypatch):
     _cpu(monkeypatch, "AuthenticAMD", "avx512_bf16")
     # Qwen2.5-Coder-1.5B's qkv in half its layers: q and k in Q4_K, v in Q6_K
     method = packed.PackedLinearMethod([Q4_K, Q4_K, Q6_K], act_bits=8)
-    method.process_weights_after_loading(_mixed_layer(method, [1536, 256, 256], 1536))
+    method.process_raw_rows(_mixed_layer(method, [1536, 256, 256], 1536))
     assert method.main_qtype == Q4_K and method.dense_min_rows == 0
     method = packed.PackedLinearMethod([Q4_K, Q6_K], act_bits=8)
-    method.process_weights_after_loading(_mixed_layer(method, [256, 1536], 1536))
+    method.process_raw_rows(_mixed_layer(method, [256, 1536], 1536))
     assert method.main_qtype == Q6_K and method.dense_min_rows == 512
     method.set_act_bits(16)
     assert method.dense_min_rows == 128

@@ -35,7 +35,6 @@ def load_named_tokenizer(path: str, **kwargs):
         import transformers
 
         cls = getattr(transformers, name, None)
-    if cls is None or not hasattr(cls, "from_pretrained"):
-        return load_auto_tokenizer(path, **kwargs)
-    with _lock:
-        return cls.from_pretrained(path, **kwargs)
+        if cls is not None and hasattr(cls, "from_pretrained"):
+            return cls.from_pretrained(path, **kwargs)
+    return load_auto_tokenizer(path, **kwargs)

@@ -47,7 +47,7 @@ class ReducedLMHead(nn.Module):
             self.q_rows, self.q_out, self.q_in = [len(ids)], len(ids), head.in_features
             self.q_offsets = [0, packed.numel()]
             self.weight = nn.Parameter(packed.reshape(-1), requires_grad=False)
-            self.method.process_weights_after_loading(self)
+            self.method.process_raw_rows(self)
         else:
             self.method = UnquantizedLinearMethod()
             self.weight = nn.Parameter(rows.contiguous(), requires_grad=False)

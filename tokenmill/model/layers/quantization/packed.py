@@ -98,7 +98,6 @@ class PackedLinearMethod(LinearMethod):
                                     requires_grad=False)
         layer.weight.weight_loader = self._loader(layer)
         layer.q_views = None
-        layer.q_x8 = True
 
     def narrow_columns(self, layer, loaded, start, size, shard_id=None):
         """Raw rows [rows, bytes]: the bytes of whole blocks (the QuantConfig chose a dense method
@@ -123,19 +122,24 @@ class PackedLinearMethod(LinearMethod):
         return load
 
     def process_weights_after_loading(self, layer) -> None:
-        """GGUF rows -> the kernels' x8 layout (rows interleaved by 8): one new flat tensor, unless
-        the loader wrote that layout already (q_x8)."""
-        if not getattr(layer, "q_x8", False):
-            flat = layer.weight.data
-            parts = [self.ops.repack(flat[a:b], qt, n, layer.q_in)
-                     for a, b, qt, n in zip(layer.q_offsets, layer.q_offsets[1:], self.qtypes, layer.q_rows)]
-            sizes = [p.numel() for p in parts]
-            layer.q_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-            layer.weight = nn.Parameter(torch.cat(parts) if len(parts) > 1 else parts[0], requires_grad=False)
+        """The loader wrote every shard in the kernels' x8 layout: views of the shards, and the
+        crossover of the format most of the bytes are in."""
         sizes = [b - a for a, b in zip(layer.q_offsets, layer.q_offsets[1:])]
         self.shard_views(layer)
         self.main_qtype = max(zip(sizes, self.qtypes))[1]
         self.set_act_bits(self.act_bits)
+
+    def process_raw_rows(self, layer) -> None:
+        """For a weight that holds rows as quantized (GGUF's row layout, shard after shard at
+        q_offsets), not through the loader: quantized at load, a draft's reduced vocabulary. Repacks
+        them into one new flat tensor, then as process_weights_after_loading."""
+        flat = layer.weight.data
+        parts = [self.ops.repack(flat[a:b], qt, n, layer.q_in)
+                 for a, b, qt, n in zip(layer.q_offsets, layer.q_offsets[1:], self.qtypes, layer.q_rows)]
+        sizes = [p.numel() for p in parts]
+        layer.q_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        layer.weight = nn.Parameter(torch.cat(parts) if len(parts) > 1 else parts[0], requires_grad=False)
+        PackedLinearMethod.process_weights_after_loading(self, layer)
 
     @staticmethod
     def shard_views(layer) -> list[torch.Tensor]:

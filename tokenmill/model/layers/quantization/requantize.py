@@ -38,7 +38,7 @@ class RequantizeMethod(QuantizeAtLoadMethod):
     create_weights = PackedLinearMethod.create_weights
 
     def process_weights_after_loading(self, layer) -> None:
-        PackedLinearMethod.process_weights_after_loading(self, layer)  # GGUF rows -> the kernels' layout
+        PackedLinearMethod.process_weights_after_loading(self, layer)  # the loader's x8 shards, as views
         target = next((f for f in (FORMATS["I4_G128"], FORMATS["Q4_1"]) if layer.q_in % f.block == 0), None)
         if target is None:
             return  # int4 groups would not fit its rows: stays as in the file

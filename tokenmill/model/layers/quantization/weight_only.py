@@ -101,5 +101,4 @@ class QuantizeAtLoadMethod(PackedLinearMethod):
         layer.q_in = dense.shape[1]
         layer.q_offsets = [0, packed.numel()]
         layer.weight = nn.Parameter(packed.reshape(-1), requires_grad=False)
-        layer.q_x8 = False  # rows as quantized: repacked below (a requantized GGUF layer had been in x8)
-        super().process_weights_after_loading(layer)
+        self.process_raw_rows(layer)
