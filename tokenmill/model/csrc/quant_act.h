@@ -172,19 +172,29 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
 #endif
 }
 
-// u[t] |= bit T of byte b of p, for each byte b of vector t (t in J...): the 5th/6th-bit planes of
-// the x8 layout (quant_x8.h), for __m256i and __m512i alike (GCC vector operations). Shifting whole
-// 64-bit lanes is fine: what crosses a byte boundary lands away from bit T, and the mask drops it.
+// Bit J of each byte of p moved to bit T, for __m256i and __m512i alike (GCC vector operations).
+// Shifting whole 64-bit lanes is fine: what crosses a byte boundary lands away from bit T (and the
+// bit above it), and the caller's mask drops it.
 template <int T, int J, typename V>
 inline V plane_bit(V p) {
   if constexpr (J <= T) return p << (T - J);
   else return p >> (J - T);
 }
 
+// u[t] |= bit T of byte b of p, for each byte b of vector t (t in J...): the 5-bit formats' plane
+// of the x8 layout (quant_x8.h).
 template <int T, typename V, int... J>
 inline void add_plane(V* u, V p, std::integer_sequence<int, J...>) {
   const auto m = static_cast<long long>(0x0101010101010101ULL << T);
   ((u[J] |= plane_bit<T, J>(p) & m), ...);
+}
+
+// u[t] |= bits 4-5 from Q6_K's two planes (quant_x8.h): bits 2 (t % 4) and up of plane t / 4. Two
+// ops a vector, against four for two one-bit planes: the 6-bit decode bound Q6_K's few-row products.
+template <typename V, int... J>
+inline void add_plane_pairs(V* u, V a, V b, std::integer_sequence<int, J...>) {
+  const auto m = static_cast<long long>(0x3030303030303030ULL);
+  ((u[J] |= plane_bit<4, 2 * (J % 4)>(J < 4 ? a : b) & m), ...);
 }
 
 template <int QT> constexpr int kBits = QT == Q8_0 || QT == I8_ROW ? 8 : QT == Q6_K ? 6 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) ? 5 : 4;

@@ -7,10 +7,11 @@
 // A chunk body holds 8 rows x 32 weights. Its low 4 bits (or all 8) form four 64-byte vectors
 // U0..U3 of 16 int32 lanes: lane L = (g % 2) * 8 + r holds weights 4g..4g+3 of row r, with
 // U0: g = 0,1  U1: g = 2,3  U2: g = 4,5  U3: g = 6,7   (U0, U1: weights 0-15; U2, U3: 16-31).
-// 4-bit formats store U0 | U2 << 4 then U1 | U3 << 4 (128 bytes). Bit 4 (5-bit formats) and bit 5
-// (Q6_K) follow as 32-byte planes: the 32-byte halves of U0..U3, in order t = 2k + half, are the
-// ymm vectors a decode holds, and bit t of plane byte b is the bit of byte b of vector t, so a SIMD
-// decode takes vector t's bits with one shift and one mask of the plane (no per-bit expansion).
+// 4-bit formats store U0 | U2 << 4 then U1 | U3 << 4 (128 bytes). The high bits follow as 32-byte
+// planes. The 32-byte halves of U0..U3, in order t = 2k + half, are the ymm vectors a decode holds:
+// 5-bit formats have one plane, whose byte b holds bit 4 of byte b of vector t at bit t; Q6_K has
+// two, plane t / 4 holding bits 4-5 of byte b of vector t at bits 2 (t % 4) and up. So a SIMD decode
+// takes vector t's high bits with one shift and one masked merge per plane (no per-bit expansion).
 // 8-bit formats store U0..U3 as they are (256 bytes).
 // Heads (fp16 unless said): Q4_0, Q5_0, Q8_0: d[8]; Q4_1, Q5_1, I4_G128: d[8], m[8];
 // Q4_K, Q5_K: d[8], dmin[8], then per chunk k the 6-bit scale sc[k][8] and min m[k][8] as bytes;
@@ -125,9 +126,9 @@ inline void x8_chunk_bytes(const uint8_t* body, const X8Geom& g, uint8_t u[8][32
         v = body[k * 64 + i];
       } else {
         v = (body[(k & 1) * 64 + i] >> ((k >> 1) * 4)) & 0xF;
-        const int t = 2 * k + i / 32;  // the plane bit of byte i of Uk
-        if (g.bits >= 5) v |= ((body[128 + i % 32] >> t) & 1) << 4;
-        if (g.bits == 6) v |= ((body[160 + i % 32] >> t) & 1) << 5;
+        const int t = 2 * k + i / 32;  // the ymm vector that byte i of Uk is in
+        if (g.bits == 5) v |= ((body[128 + i % 32] >> t) & 1) << 4;
+        if (g.bits == 6) v |= ((body[128 + 32 * (t / 4) + i % 32] >> (2 * (t % 4))) & 3) << 4;
       }
       u[r][e] = v;
     }
@@ -147,8 +148,9 @@ inline void x8_scatter_row(uint8_t* body, const uint8_t* u, int r) {
       body[v * 64 + i] = u[e];
     } else {
       body[(v & 1) * 64 + i] |= static_cast<uint8_t>((u[e] & 0xF) << ((v >> 1) * 4));
-      if constexpr (BITS >= 5) body[128 + i % 32] |= static_cast<uint8_t>(((u[e] >> 4) & 1) << (2 * v + i / 32));
-      if constexpr (BITS == 6) body[160 + i % 32] |= static_cast<uint8_t>(((u[e] >> 5) & 1) << (2 * v + i / 32));
+      const int t = 2 * v + i / 32;
+      if constexpr (BITS == 5) body[128 + i % 32] |= static_cast<uint8_t>(((u[e] >> 4) & 1) << t);
+      if constexpr (BITS == 6) body[128 + 32 * (t / 4) + i % 32] |= static_cast<uint8_t>(((u[e] >> 4) & 3) << (2 * (t % 4)));
     }
   }
 }

@@ -22,8 +22,8 @@ inline void decode_ymm(const uint8_t* body, __m256i u[8]) {
       u[j] = _mm256_and_si256(h, m4);
       u[j + 4] = _mm256_and_si256(_mm256_srli_epi16(h, 4), m4);
     }
-    if constexpr (BITS >= 5) add_plane<4>(u, ld(body + 128), std::make_integer_sequence<int, 8>{});
-    if constexpr (BITS == 6) add_plane<5>(u, ld(body + 160), std::make_integer_sequence<int, 8>{});
+    if constexpr (BITS == 5) add_plane<4>(u, ld(body + 128), std::make_integer_sequence<int, 8>{});
+    if constexpr (BITS == 6) add_plane_pairs(u, ld(body + 128), ld(body + 160), std::make_integer_sequence<int, 8>{});
   }
 }
 #endif

@@ -53,8 +53,9 @@ inline void decode_zmm(const uint8_t* b0, const uint8_t* b1, __m512i W[8]) {
       W[j] = _mm512_and_si512(h, m4);
       W[j + 4] = _mm512_and_si512(_mm512_srli_epi16(h, 4), m4);
     }
-    if constexpr (BITS >= 5) add_plane<4>(W, ld2(b0 + 128, b1 + 128), std::make_integer_sequence<int, 8>{});
-    if constexpr (BITS == 6) add_plane<5>(W, ld2(b0 + 160, b1 + 160), std::make_integer_sequence<int, 8>{});
+    if constexpr (BITS == 5) add_plane<4>(W, ld2(b0 + 128, b1 + 128), std::make_integer_sequence<int, 8>{});
+    if constexpr (BITS == 6)
+      add_plane_pairs(W, ld2(b0 + 128, b1 + 128), ld2(b0 + 160, b1 + 160), std::make_integer_sequence<int, 8>{});
   }
 }
 
