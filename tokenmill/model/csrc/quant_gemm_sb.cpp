@@ -63,6 +63,21 @@ __attribute__((always_inline)) inline void rows_sb(const __m512i W[8], const uin
   });
 }
 
+// Word 2L + j of min-pair vector q (lane L, chunk 2q + j of four) from four chunks' minimums as words:
+// group 0's row r of chunk c at 8c + r, group 1's at 32 + 8c + r. Two permutes build what took eight
+// byte loads, four shifts and four ors per super-block (a few % of the kernel at 1-8 rows).
+struct MinPairIndex {
+  alignas(64) int16_t idx[2][32];
+};
+constexpr MinPairIndex min_pair_index() {
+  MinPairIndex t{};
+  for (int q = 0; q < 2; ++q)
+    for (int L = 0; L < 16; ++L)
+      for (int j = 0; j < 2; ++j) t.idx[q][2 * L + j] = static_cast<int16_t>((L < 8 ? 0 : 32) + 8 * (2 * q + j) + L % 8);
+  return t;
+}
+constexpr MinPairIndex kMinPairs = min_pair_index();
+
 template <int QT, int MR>
 __attribute__((noinline)) void sb_dot_t(const uint8_t* g0, const uint8_t* g1, int64_t K, const uint8_t* tile,
                                         const Ahead& pf, float out[][16]) {
@@ -105,9 +120,11 @@ __attribute__((noinline)) void sb_dot_t(const uint8_t* g0, const uint8_t* g1, in
     } else {
       const __m512 dmin = ld_ph16(h0 + 16, h1 + 16);
       __m512i mins[4];  // lane: the minimums of chunks 2p and 2p + 1 as two int16
-      for (int p = 0; p < 4; ++p) {
-        mins[p] = _mm512_or_si512(ld_bytes16(h0 + 96 + 16 * p, h1 + 96 + 16 * p, false),
-                                  _mm512_slli_epi32(ld_bytes16(h0 + 104 + 16 * p, h1 + 104 + 16 * p, false), 16));
+      for (int h = 0; h < 2; ++h) {  // chunks 4h..4h+3 of both groups as words, then two word permutes
+        const __m512i a = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h0 + 96 + 32 * h)));
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h1 + 96 + 32 * h)));
+        mins[2 * h] = _mm512_permutex2var_epi16(a, _mm512_load_si512(kMinPairs.idx[0]), b);
+        mins[2 * h + 1] = _mm512_permutex2var_epi16(a, _mm512_load_si512(kMinPairs.idx[1]), b);
       }
       for (int m = 0; m < MR; ++m) {
         const int32_t* r = rec + kRecInts * m;
