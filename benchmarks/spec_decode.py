@@ -73,7 +73,8 @@ def spec_configs(k: int, draft: str | None, draft_k: int | None = None) -> dict[
     ngram-fixed always k (the factor off); draft-int4: the draft requantized to int4 at load (drafts
     stop below the default draft_p_min, its head scores the default draft_vocab_size tokens);
     draft-int4-all: always k drafts (draft_p_min 0); draft-int4-fullvocab: its head scores every
-    token; draft-int4-v<N>: N tokens; draft-int4-lk<N>: draft_lookup_min N (0: the draft model alone)."""
+    token; draft-int4-v<N>: N tokens; draft-int4-lk<N>: draft_lookup_min N (0: the draft model alone);
+    draft-int4-p<N>: draft_p_min N / 100."""
     ngram = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     draft_spec = {"model": draft, "num_speculative_tokens": draft_k or k}
     return {"none": None, "ngram": json.dumps(ngram), "ngram-fixed": json.dumps({**ngram, "max_spec_factor": None}),
@@ -83,7 +84,9 @@ def spec_configs(k: int, draft: str | None, draft_k: int | None = None) -> dict[
             **{f"draft-int4-v{n}": json.dumps({**draft_spec, "quantization": "int4", "draft_vocab_size": n})
                for n in (16384, 32768, 65536)},
             **{f"draft-int4-lk{n}": json.dumps({**draft_spec, "quantization": "int4", "draft_lookup_min": n})
-               for n in (0, 2, 3, 6, 8)}}
+               for n in (0, 2, 3, 6, 8)},
+            **{f"draft-int4-p{n}": json.dumps({**draft_spec, "quantization": "int4", "draft_p_min": n / 100})
+               for n in (50, 70, 80, 90, 95)}}
 
 
 def cpu_model() -> str:

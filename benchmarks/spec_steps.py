@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from collections import defaultdict
 
@@ -17,6 +18,7 @@ from spec_decode import prompts, spec_configs
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.engine_core import EngineCore
+from tokenmill.model.fused_decode import FusedDecode
 
 
 def main() -> None:
@@ -28,6 +30,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--workload", choices=["edit", "gen"], default="edit")
     ap.add_argument("--timeline", action="store_true", help="also print every step: kind, rows, ms, tokens")
+    ap.add_argument("--layer-calls", action="store_true", help="also the median time of the fused decode layers "
+                    "per model (its layer count) and rows: what a verification row costs the target, and a "
+                    "catch-up row the draft")
     args = ap.parse_args()
     llms = {}
     for name in args.configs.split(","):
@@ -67,10 +72,22 @@ def main() -> None:
         return out
 
     Scheduler.schedule, EngineCore.step = traced_schedule, traced_step
+    layer_calls: dict[tuple[int, int], list[float]] = defaultdict(list)
+    if args.layer_calls:
+        fused_call = FusedDecode.__call__
+
+        def traced_layers(self, x, *rest):
+            t0 = time.perf_counter()
+            out = fused_call(self, x, *rest)
+            layer_calls[(len(self.layers), x.shape[0])].append(time.perf_counter() - t0)
+            return out
+
+        FusedDecode.__call__ = traced_layers
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for name, llm in llms.items():
         stats.clear()
         timeline.clear()
+        layer_calls.clear()
         t0 = time.perf_counter()
         llm.generate(prompts(args.concurrency, 2000, args.workload), params, use_tqdm=False)
         policy = llm.engine.core.scheduler.spec_policy
@@ -80,6 +97,9 @@ def main() -> None:
                           "policy_tok_per_s": policy and {f"bucket {b} {'on' if on else 'off'}": round(r, 1)
                                                           for (b, on), r in sorted(policy.rate.items())}}), flush=True)
         print("\n".join(timeline), flush=True)
+        for (layers, rows), times in sorted(layer_calls.items()):
+            print(json.dumps({"config": name, "layers": layers, "rows": rows, "calls": len(times),
+                              "median_ms": round(1e3 * statistics.median(times), 2)}), flush=True)
 
 
 if __name__ == "__main__":
