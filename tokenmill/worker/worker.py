@@ -86,7 +86,7 @@ class Worker:
         q = config.quant
         self.quantization = resolve_quantization(q.quantization, source.kind, self.device)
         quant_config = make_quant_config(self.quantization, source, q.quant_group_size, q.quant_dense_min_rows,
-                                         q.quant_act_bits)
+                                         q.quant_act_bits, config.model.tokenizer, config.model.trust_remote_code)
         self.model = build_model(source, model_config, self.backend, self.max_model_len, self.dtype,
                                  self.device, progress=progress, quant_config=quant_config)
         self.weight_bytes = self.model.weight_bytes
@@ -181,7 +181,8 @@ class Worker:
         if size is None or size >= cfg.vocab_size:
             return None
 
-        tok = load_tokenizer(source, None, self.config.model.trust_remote_code)
+        # --tokenizer stands for the draft's too (the vocabularies were checked to be the same)
+        tok = load_tokenizer(source, self.config.model.tokenizer, self.config.model.trust_remote_code)
         special = list(getattr(tok, "added_tokens_decoder", {})) + list(tok.all_special_ids) + cfg.eos_token_id
         ids = draft_vocab_ids(size, cfg.vocab_size, special)
         logger.info("speculative decoding: the draft scores %d of %d tokens", len(ids), cfg.vocab_size)
@@ -191,10 +192,10 @@ class Worker:
         """The target's quantization, or int4 at load with the draft's "quantization": "int4" (a GGUF
         draft: requantize.py). An int4 draft also takes 8-bit activations (as llama.cpp does): half the
         packed kernels' integer work per pass; its guesses only have to be likely (the target verifies)."""
-        q = self.config.quant
+        q, m = self.config.quant, self.config.model
         if spec.draft_quantization != "int4":
             return make_quant_config(self.quantization, source, q.quant_group_size, q.quant_dense_min_rows,
-                                     q.quant_act_bits)
+                                     q.quant_act_bits, m.tokenizer, m.trust_remote_code)
         if source.kind == "gguf":
             from tokenmill.model.layers.quantization.requantize import RequantizedGGUFConfig
             from tokenmill.model.loader import gguf_loader
@@ -202,7 +203,7 @@ class Worker:
             resolve_quantization("gguf", source.kind, self.device)  # a clear error where the kernels are missing
             return RequantizedGGUFConfig(gguf_loader.tensor_types(source.path), q.quant_dense_min_rows, 8)
         return make_quant_config(resolve_quantization("int4", source.kind, self.device), source, q.quant_group_size,
-                                 q.quant_dense_min_rows, 8)
+                                 q.quant_dense_min_rows, 8, m.tokenizer, m.trust_remote_code)
 
     def prepare_grammar(self, spec: GrammarSpec) -> Future:
         """Compiles a structured-output grammar for this model's vocabulary on a background thread

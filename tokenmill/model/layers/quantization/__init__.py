@@ -51,14 +51,19 @@ def _kernels_ok(warn: bool) -> bool:
 
 
 def make_quant_config(quantization: str, source, group_size: int, dense_min_rows: int | None,
-                      act_bits: int | str = 16) -> QuantConfig | None:
+                      act_bits: int | str = 16, tokenizer: str | None = None,
+                      trust_remote_code: bool = False) -> QuantConfig | None:
+    """tokenizer: --tokenizer, which then encodes the calibration text too."""
     if quantization == "gguf":
         from tokenmill.model.layers.quantization.gguf import GGUFConfig
         from tokenmill.model.loader import gguf_loader
 
-        return GGUFConfig(gguf_loader.tensor_types(source.path), dense_min_rows, act_bits)
-    if quantization in ("int8", "int4"):
+        config = GGUFConfig(gguf_loader.tensor_types(source.path), dense_min_rows, act_bits)
+    elif quantization in ("int8", "int4"):
         from tokenmill.model.layers.quantization.weight_only import WeightOnlyConfig
 
-        return WeightOnlyConfig(8 if quantization == "int8" else 4, group_size, dense_min_rows, act_bits)
-    return None
+        config = WeightOnlyConfig(8 if quantization == "int8" else 4, group_size, dense_min_rows, act_bits)
+    else:
+        return None
+    config.tokenizer, config.trust_remote_code = tokenizer, trust_remote_code
+    return config

@@ -121,8 +121,9 @@ def measure_change(model: torch.nn.Module, ids: list[int]) -> float:
     return math.exp(nll[8] - nll[16]) - 1
 
 
-def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype) -> int:
-    """8 or 16 for a model whose packed layers were built with act_bits "auto"; sets it on them."""
+def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibration_ids) -> int:
+    """8 or 16 for a model whose packed layers were built with act_bits "auto"; sets it on them.
+    calibration_ids(source, n): the first n tokens of the built-in text (QuantConfig.calibration_ids)."""
     from tokenmill import distributed
 
     st = distributed.state()
@@ -136,11 +137,10 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype) -> int:
     entry = _read_cache().get(key)
     cached = isinstance(entry, dict) and entry.get("bits") in (8, 16)  # else (hand-edited, older): measured
     if not cached:
-        from tokenmill.model.layers.quantization.calibration import calibration_text
-        from tokenmill.model.loader import load_tokenizer
+        from tokenmill.model.layers.quantization.calibration import max_positions
 
         t0 = time.perf_counter()
-        ids = load_tokenizer(source, None, False).encode(calibration_text(), add_special_tokens=False)[:TOKENS]
+        ids = calibration_ids(source, min(TOKENS, max_positions(model)))
         change = measure_change(model, ids)
         entry = {"change": change, "bits": 8 if change <= MAX_CHANGE else 16, "tokens": len(ids),
                  "seconds": round(time.perf_counter() - t0, 2)}

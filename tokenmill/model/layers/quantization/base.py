@@ -48,6 +48,19 @@ class QuantConfig(ABC):
     """Chooses the method of every layer, by the checkpoint names of its weight's shards."""
 
     name: str = "abstract"
+    # what encodes the built-in calibration text (act_bits.py, weight_only.py): --tokenizer if given,
+    # else the model's own (a GGUF without tokenizer metadata, or a folder without tokenizer files,
+    # runs with --tokenizer)
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+
+    def calibration_ids(self, source, n: int) -> list[int]:
+        """The first n tokens of the built-in calibration text."""
+        from tokenmill.model.layers.quantization.calibration import calibration_text
+        from tokenmill.model.loader import load_tokenizer
+
+        tok = load_tokenizer(source, self.tokenizer, self.trust_remote_code)
+        return tok.encode(calibration_text(), add_special_tokens=False)[:n]
 
     @abstractmethod
     def linear_method(self, shard_names: list[str], in_range: tuple[int, int] | None = None) -> LinearMethod:
@@ -68,7 +81,7 @@ class QuantConfig(ABC):
         if getattr(self, "act_bits", None) == "auto":
             from tokenmill.model.layers.quantization.act_bits import choose_act_bits
 
-            self.act_bits = choose_act_bits(model, source, dtype)
+            self.act_bits = choose_act_bits(model, source, dtype, self.calibration_ids)
 
     def packed_tensors(self) -> set[str]:
         """Checkpoint tensors (names with '.weight') the loader must hand over as raw blocks."""

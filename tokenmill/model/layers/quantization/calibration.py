@@ -40,6 +40,12 @@ class _CausalAttention:
         return out.transpose(0, 1).reshape(t, -1)
 
 
+def max_positions(model: torch.nn.Module) -> int:
+    """How many positions the model's rotary table holds (its max_model_len): a calibration text
+    longer than that is cut to it."""
+    return min(m.rotary.cos.shape[0] for m in model.modules() if hasattr(m, "rotary"))
+
+
 def causal_pass(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     """The model's final hidden states over `ids` as one sequence, with plain causal attention in
     place of the paged backend (no KV cache)."""

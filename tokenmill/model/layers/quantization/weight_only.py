@@ -13,7 +13,7 @@ from torch import nn
 from tokenmill.errors import ConfigError
 from tokenmill.model.layers.linear import UnquantizedLinearMethod, shard_rows_loader
 from tokenmill.model.layers.quantization.base import LinearMethod, QuantConfig
-from tokenmill.model.layers.quantization.calibration import calibration_text, measure_input_scales
+from tokenmill.model.layers.quantization.calibration import max_positions, measure_input_scales
 from tokenmill.model.layers.quantization.formats import BY_ID, FORMATS, quantize_i8_row, quantize_q4_groups
 from tokenmill.model.layers.quantization.packed import PackedLinearMethod
 
@@ -57,10 +57,7 @@ class WeightOnlyConfig(QuantConfig):
         st = distributed.state()
         if st.tp_size > 1 or st.pp_size > 1:
             return
-        from tokenmill.model.loader.hf_import import load_auto_tokenizer
-
-        tok = load_auto_tokenizer(str(source.path))
-        ids = tok.encode(calibration_text(), add_special_tokens=False)[:CALIBRATION_TOKENS]
+        ids = self.calibration_ids(source, min(CALIBRATION_TOKENS, max_positions(model)))
         measure_input_scales(model, ids, lambda m: isinstance(m.method, QuantizeAtLoadMethod))
 
     def describe(self) -> str:
