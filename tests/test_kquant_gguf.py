@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.layers.quantization.formats import FORMATS, _fp16_bytes, row_bytes
+from tokenmill.model.layers.quantization.formats import random_blocks
 from tokenmill.model.loader import gguf_loader, resolve_model
 from tokenmill.model.quant_kernels import quant_kernels_available
 
@@ -41,14 +41,9 @@ def write_tiny_kquant_gguf(path, seed: int = 0) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
 
-    def packed(name, fmt, n, k):  # random codes, ordinary positive fp16 scales
-        f = FORMATS[fmt]
-        rows = rng.integers(0, 256, size=(n, row_bytes(f.id, k)), dtype=np.uint8)
-        blocks = rows.reshape(n, -1, f.bytes)
-        for off in f.fp16_fields:
-            blocks[..., off:off + 2] = _fp16_bytes((np.abs(rng.standard_normal(blocks.shape[:2])) * 0.002)
-                                                   .astype(np.float32))
-        w.add_tensor(name, rows, raw_shape=(n, rows.shape[1]), raw_dtype=gguf.GGMLQuantizationType[fmt])
+    def packed(name, fmt, n, k):
+        rows = random_blocks(fmt, n, k, rng, scale=0.002, extremes=False)
+        w.add_tensor(name, rows, raw_shape=rows.shape, raw_dtype=gguf.GGMLQuantizationType[fmt])
 
     def dense(name, n):
         w.add_tensor(name, (rng.standard_normal(n) * 0.1).astype(np.float32))
@@ -97,26 +92,27 @@ def _prompts(n: int = 6) -> list[list[int]]:
 
 
 def test_native_kquants_match_the_dequantized_model(tiny_kquant):
-    """Native K-quant products (the activation codes measured at load: max_model_len 256 is below the
-    measurement's 512 tokens, which are cut to it) against the same GGUF dequantized to fp32."""
+    """Native K-quant products against the same GGUF dequantized to fp32, with 16-bit activation
+    codes (measured: logprobs within 0.001; 8-bit codes move this random model's by up to 0.4)."""
     outs = {}
-    for q in ("gguf", "none"):
-        llm = _llm(tiny_kquant, quantization=q, dtype="float32")
+    for q, bits in (("gguf", 16), ("none", "auto")):
+        llm = _llm(tiny_kquant, quantization=q, dtype="float32", quant_act_bits=bits)
         outs[q] = llm.generate(_prompts(), GREEDY, use_tqdm=False)
         del llm
         gc.collect()
     for a, b in zip(outs["gguf"], outs["none"]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
-            assert abs(la[t].logprob - lb[t].logprob) < 0.05, (la[t], lb[t])
+            assert abs(la[t].logprob - lb[t].logprob) < 0.01, (la[t], lb[t])
 
 
 @pytest.mark.parametrize("draft_quantization", ["int4", None])
 def test_kquant_model_drafting_for_itself(tiny_kquant, draft_quantization):
-    """The model drafting for itself: greedy output as without speculation. Requantized to int4 at
-    load from Q4_K/Q5_0/Q6_K, the draft agrees on most tokens (44 of 61 measured; a draft whose int4
-    layers were left in the wrong layout: 0 of 84); as it is in the file (its activation codes measured
-    with --tokenizer as well), on nearly all."""
+    """The model drafting for itself: greedy output as without speculation. The target's activation
+    codes are measured at load (max_model_len 256 is below the measurement's 512 tokens: they are cut
+    to it), with --tokenizer. Requantized to int4 at load from Q4_K/Q5_0/Q6_K, the draft agrees on
+    most tokens (55 of 65 measured; a draft whose int4 layers were left in the wrong layout: 0 of 84); as it
+    is in the file (its codes measured as well), on nearly all."""
     args = dict(dtype="bfloat16", batch_invariant=True)
     llm = _llm(tiny_kquant, **args)
     ref = llm.generate(_prompts(), GREEDY, use_tqdm=False)

@@ -107,23 +107,26 @@ def dequantize_own(name: str, data: np.ndarray, k: int) -> torch.Tensor:
     return torch.from_numpy((q * d + m).reshape(rows, k))
 
 
-def random_blocks(name: str, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random packed rows of a format, for tests: random quant bits, scales of ordinary size plus
-    the extremes (fp16 max, a subnormal, zero), and an all-zero row."""
+def random_blocks(name: str, rows: int, k: int, rng: np.random.Generator, scale: float = 0.01,
+                  extremes: bool = True) -> np.ndarray:
+    """Random packed rows of a format, for tests: random quant bits, scales of ordinary size (normal,
+    times `scale`) plus, with `extremes`, the extremes (fp16 max, a subnormal, zero) and an all-zero
+    row; without them, rows a model can run on."""
     f = FORMATS[name]
     data = rng.integers(0, 256, size=(rows, row_bytes(f.id, k)), dtype=np.uint8)
-    extremes = np.array([65504.0, 6e-8, 0.0, -3.0], dtype=np.float32)
+    special = np.array([65504.0, 6e-8, 0.0, -3.0] if extremes else [], dtype=np.float32)
     if f.row_head:
-        scales = (rng.standard_normal(rows) * 0.01).astype(np.float32)
-        scales[: len(extremes)] = extremes[: rows]
+        scales = (rng.standard_normal(rows) * scale).astype(np.float32)
+        scales[: len(special)] = special[: rows]
         data[:, :4] = scales.view(np.uint8).reshape(rows, 4)
     else:
         blocks = data.reshape(rows, -1, f.bytes)
         for off in f.fp16_fields:
-            vals = (rng.standard_normal(blocks.shape[:2]) * 0.01).astype(np.float32)
-            vals.reshape(-1)[: len(extremes)] = extremes
+            vals = (rng.standard_normal(blocks.shape[:2]) * scale).astype(np.float32)
+            vals.reshape(-1)[: len(special)] = special
             blocks[..., off:off + 2] = _fp16_bytes(vals)
-    data[min(1, rows - 1)] = 0
+    if extremes:
+        data[min(1, rows - 1)] = 0
     return data
 
 

@@ -132,13 +132,16 @@ class PackedLinearMethod(LinearMethod):
     def process_raw_rows(self, layer) -> None:
         """For a weight that holds rows as quantized (GGUF's row layout, shard after shard at
         q_offsets), not through the loader: quantized at load, a draft's reduced vocabulary. Repacks
-        them into one new flat tensor, then as process_weights_after_loading."""
+        them into one new flat tensor (as the loader does), then as process_weights_after_loading."""
         flat = layer.weight.data
-        parts = [self.ops.repack(flat[a:b], qt, n, layer.q_in)
-                 for a, b, qt, n in zip(layer.q_offsets, layer.q_offsets[1:], self.qtypes, layer.q_rows)]
-        sizes = [p.numel() for p in parts]
-        layer.q_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        layer.weight = nn.Parameter(torch.cat(parts) if len(parts) > 1 else parts[0], requires_grad=False)
+        sizes = [self.ops.x8_bytes(qt, n, layer.q_in) for qt, n in zip(self.qtypes, layer.q_rows)]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        x8 = torch.empty(offsets[-1], dtype=torch.uint8)
+        for i, (qt, n) in enumerate(zip(self.qtypes, layer.q_rows)):
+            self.ops.repack_into(x8[offsets[i]:offsets[i + 1]], flat[layer.q_offsets[i]:layer.q_offsets[i + 1]],
+                                 qt, n, layer.q_in)
+        layer.q_offsets = offsets
+        layer.weight = nn.Parameter(x8, requires_grad=False)
         PackedLinearMethod.process_weights_after_loading(self, layer)
 
     @staticmethod
