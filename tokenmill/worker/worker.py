@@ -24,7 +24,7 @@ from tokenmill.model.loader.build import build_model
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.model.quant_kernels import quant_kernels_available
 from tokenmill.structured_output.params import GrammarSpec
-from tokenmill.worker.cpu_env import configure_cpu
+from tokenmill.worker.cpu_env import configure_cpu, release_freed_memory, serve_steps_from_heap
 from tokenmill.worker.kv_budget import kv_cache_budget, kv_capacity, resolve_max_model_len
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -123,6 +123,8 @@ class Worker:
         if self.draft_config is not None:
             self.proposer.allocate_kv_cache(self.num_blocks, _local_kv_heads(self.draft_config),
                                             self.draft_config.head_dim, self.dtype, self.kv_storage)
+        if self.device.type == "cpu":
+            serve_steps_from_heap()
 
     def _build_proposer(self, progress: bool):
         spec = self.config.speculative
@@ -219,6 +221,8 @@ class Worker:
         if self._grammar_compiler is not None:
             self._grammar_compiler.shutdown()
             self._grammar_compiler = None
+        if self.device.type == "cpu":
+            release_freed_memory()
 
     @property
     def local_kv_heads(self) -> int:
