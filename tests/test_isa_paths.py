@@ -24,7 +24,6 @@ BF16_TESTS = ["tests/test_flat_batch.py::test_batching_adds_no_bf16_error",
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 @pytest.mark.skipif(bool(os.environ.get("TOKENMILL_CPU_ISA")), reason="already running a capped ISA path")
 @pytest.mark.parametrize("level", LOWER or [pytest.param("none", marks=pytest.mark.skip(
     reason=f"no ISA level below this CPU's ({hardware_isa()})"))])
