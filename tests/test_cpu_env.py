@@ -9,6 +9,8 @@ import resource
 
 import torch
 
+from tokenmill import LLM
+
 BIG = 64 << 20  # over glibc's largest mmap threshold (32 MiB): mapped apart unless told otherwise
 
 
@@ -19,8 +21,10 @@ def _faults_filling_a_big_buffer() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-def test_big_buffers_after_load_are_not_faulted_in_again(smol_gguf):
-    smol_gguf.generate(["warm up"], use_tqdm=False)
+def test_big_buffers_after_load_are_not_faulted_in_again():
+    # its own engine: the setting is the process's, and a load that failed in another test undoes it
+    llm = LLM(progress=False, kv_cache_memory="64MiB", max_model_len=256)
+    llm.generate(["warm up"], use_tqdm=False)
     _faults_filling_a_big_buffer()  # the heap grows once
     # mapped afresh it takes a fault per page, or per 2 MiB huge page (THP_MEM_ALLOC_ENABLE) and more
     assert _faults_filling_a_big_buffer() < BIG // (2 << 20), "a freed 64 MiB buffer was given back to the OS"

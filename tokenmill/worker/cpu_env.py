@@ -48,7 +48,7 @@ def _libc() -> ctypes.CDLL | None:
 
 def _keep_freed_memory() -> None:
     """glibc returns big freed buffers (logits, activations: MBs each) to the OS and page-faults
-    them back in on the next step, ~1 us per 4 KiB page on bare metal, ~10 in a VM: a third of the
+    them back in on the next step, ~1 us per 4 KiB page (~4 in this project's VMs): a third of the
     sampler's time. Never trim the heap; while loading, buffers over 32 MiB (load-time temporaries,
     the KV cache) are still mapped apart, so that freeing them gives the memory back."""
     if (libc := _libc()) is not None:
