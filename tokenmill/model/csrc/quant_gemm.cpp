@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -59,9 +60,11 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
   // every ISA path multiplies the same codes; AVX-512 applies the sub-block scales in integers)
   const bool sb = !fine && std::all_of(shards.begin(), shards.end(), [](const Shard& s) { return sb_type(s.qtype); });
   const int64_t arb = act_row_bytes(K);
-  std::vector<uint8_t> act(M * arb + 64);
-  uint8_t* abase = act.data() + (64 - reinterpret_cast<uintptr_t>(act.data()) % 64) % 64;
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+  // not zeroed: quantize_row writes every byte a kernel reads (zeroing cost as much as a few rows' codes)
+  std::unique_ptr<uint8_t[]> act(new uint8_t[M * arb + 64]);
+  uint8_t* abase = act.get() + (64 - reinterpret_cast<uintptr_t>(act.get()) % 64) % 64;
+  // row by row on both threads from two rows: a long row (K = 8960) takes ~10 us
+  at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) quantize_row(x + m * K, K, abase + m * arb, fine, sb);
   });
   std::vector<ActRow> rows(M);

@@ -152,7 +152,7 @@ void pack_tile_sb(const ActRow* a, int mr, int64_t K, uint8_t* dst) {
       int32_t* r = reinterpret_cast<int32_t*>(t + mr * 256) + kRecInts * m;
       std::memset(r, 0, 4 * kRecInts);
       const int8_t* up = a[m].up + 8 * b;
-      const float unit = std::ldexp(a[m].dx[8 * b], -up[0]);
+      const float unit = a[m].dx[8 * b] * (1.f / static_cast<float>(1 << up[0]));  // as ldexp
       std::memcpy(r, &unit, 4);
       const int16_t* bs = a[m].bs + 16 * b;
       for (int p = 0; p < 4; ++p) {

@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -51,9 +52,10 @@ void qgemm_pairs(const ActRow* rows, int64_t M, int64_t K, const std::vector<Sha
     const int64_t tile = (mb + (mb + kPairRows - 1) / kPairRows - 1) / ((mb + kPairRows - 1) / kPairRows);
     for (int64_t m0 = b0; m0 < b0 + mb; m0 += tile) tiles.emplace_back(m0, static_cast<int>(std::min(tile, b0 + mb - m0)));
   }
-  std::vector<uint8_t> buf(tile_bytes(M, K, fine) + 64);
-  uint8_t* tbase = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
-  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 8, [&](int64_t b, int64_t e) {
+  // not zeroed: pack_tile(_sb) writes every byte of it
+  std::unique_ptr<uint8_t[]> buf(new uint8_t[tile_bytes(M, K, fine) + 64]);
+  uint8_t* tbase = buf.get() + (64 - reinterpret_cast<uintptr_t>(buf.get()) % 64) % 64;
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       uint8_t* dst = tbase + tile_bytes(tiles[t].first, K, fine);
       if (sb) pack_tile_sb(rows + tiles[t].first, tiles[t].second, K, dst);
