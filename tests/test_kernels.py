@@ -157,3 +157,30 @@ def test_paged_decode_attention_key_split(dtype, head_dim, heads, kv_heads):
     batched = torch.empty_like(q)
     torch.ops.tokenmill.paged_decode_attention(batched, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125)
     _rows_alone_and_sdpa(batched, q, k_cache, v_cache, tables, lens, dtype)
+
+
+@pytest.mark.parametrize("width", [7, 16, 49152, 151936 + 5])
+def test_argmax_rows_is_torch_argmax(width):
+    """The greedy pick in one op: each row's first maximum, a NaN counting as the largest (the first
+    NaN), +0 and -0 equal, rows of -inf, maxima in the tail past whole vectors, strided rows."""
+    g = torch.Generator().manual_seed(width)
+    wide = torch.randn(10, width + 3, generator=g)
+    x = wide[:, :width]  # rows 3 floats apart from the next one's start: a stride, not contiguous
+    x[1] = torch.randint(0, 3, (width,), generator=g).float()  # many tied maxima
+    x[2] = float("-inf")
+    x[3] = -5.0
+    x[3, -1] = 4.0  # the maximum last
+    x[4, [width // 3, width - 1]] = 99.0  # the first of two equal maxima
+    x[5] = -1.0
+    x[5, width // 2:] = 0.0
+    x[5, width // 2] = -0.0  # -0 first, then +0: the first zero
+    x[6, [width // 2, width - 1]] = float("nan")  # the first NaN, wherever the maximum is
+    x[7, 0] = float("nan")
+    x[8] = float("inf")
+    assert x.stride(0) == width + 3
+    got = torch.ops.tokenmill.argmax_rows(x)
+    assert got.dtype == torch.long and torch.equal(got, torch.argmax(x, dim=-1))
+    assert got[4] == width // 3 and got[5] == width // 2 and got[6] == width // 2 and got[7] == 0
+    from tokenmill.worker.sampler import first_argmax  # the sampler takes the op once the kernels load
+
+    assert torch.equal(first_argmax(x.contiguous()), got)

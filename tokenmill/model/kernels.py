@@ -1,5 +1,6 @@
 """Builds and loads tokenmill's C++ CPU kernels (torch ops under `torch.ops.tokenmill`): paged
-decode attention, RMSNorm (+ residual), SiLU-and-mul, rotary embedding (sources in csrc/).
+decode attention, RMSNorm (+ residual), SiLU-and-mul, rotary embedding, the fused decode layers and a
+greedy row argmax (sources in csrc/).
 
 Compiled once per machine with torch's cpp_extension (one translation unit including both
 sources, with torch's lighter headers: ~11 s of one core; concurrent processes wait for one
@@ -31,13 +32,13 @@ from tokenmill.utils.cpu import active_isa
 
 logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "elementwise.cpp",
-                                                                    "decode_layers.cpp")]
+                                                                    "decode_layers.cpp", "sampling.cpp")]
 _HEADERS = tuple(Path(__file__).parent / "csrc" / h
                  for h in ("paged_attention_avx512.h", "paged_attention_keys.h", "paged_attention_values.h",
                            "paged_attention_tasks.h"))
 _NAME = "tokenmill_cpu_kernels"
 _OPS = ("paged_decode_attention", "paged_decode_attention_scaled", "rms_norm", "silu_and_mul", "rotary_embedding",
-        "decode_layers")
+        "decode_layers", "argmax_rows")
 _lock = threading.Lock()
 _loaded: bool | None = None
 unavailable_reason: str | None = None  # why the kernels could not be built or loaded, for error messages
@@ -67,6 +68,11 @@ def _openmp_ldflags() -> list[str]:
     if bundled:
         return [f"-L{lib}", f"-l:{os.path.basename(bundled[0])}", f"-Wl,-rpath,{lib}"]
     return ["-fopenmp"]
+
+
+def cpu_kernels_loaded() -> bool:
+    """Whether the kernels are loaded already (never builds them)."""
+    return _loaded is True
 
 
 def load_cpu_kernels() -> bool:

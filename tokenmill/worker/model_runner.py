@@ -97,8 +97,10 @@ class ModelRunner:
 
         ends = np.cumsum([n for _, n, _ in batch])
         if rows:
-            idx = torch.tensor([ends[i] - 1 for i in rows], device=self.device)
-            logits = self.model.compute_logits(hidden[idx])
+            # every row's last position: all of hidden when each row is one token (a decode step)
+            last = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor([ends[i] - 1 for i in rows],
+                                                                                   device=self.device)]
+            logits = self.model.compute_logits(last)
             result = self.sampler(logits, SamplingBatch.build(states, self.vocab_size, self.device))
             for state, tok, lp in zip(states, result.token_ids, result.logprobs):
                 state.append(tok)

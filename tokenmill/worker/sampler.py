@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.core.messages import TokenLogprobs
+from tokenmill.model.kernels import cpu_kernels_loaded
 from tokenmill.worker.logits_processors import LogitsProcessor, default_processors
 from tokenmill.worker.request_state import RequestState
 
@@ -22,8 +23,8 @@ from tokenmill.worker.request_state import RequestState
 @dataclass
 class SamplingBatch:
     states: list[RequestState]
-    temperature: torch.Tensor  # [B], 1.0 on greedy rows
-    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor | None  # [B], 1.0 on greedy rows; None when every row is greedy
+    greedy: torch.Tensor | None  # [B] bool; None when every row is
     all_greedy: bool
     top_k: torch.Tensor | None  # [B] long, vocab size = off
     top_p: torch.Tensor | None
@@ -42,11 +43,12 @@ class SamplingBatch:
         def t(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=device)
 
+        all_greedy = all(greedy)  # then no row draws: no per-row tensors (each op costs a step time)
         return cls(
             states=states,
-            temperature=t([1.0 if g else p.temperature for g, p in zip(greedy, ps)]),
-            greedy=t(greedy, torch.bool),
-            all_greedy=all(greedy),
+            temperature=None if all_greedy else t([1.0 if g else p.temperature for g, p in zip(greedy, ps)]),
+            greedy=None if all_greedy else t(greedy, torch.bool),
+            all_greedy=all_greedy,
             top_k=t(top_k, torch.long) if any(k < vocab_size for k in top_k) else None,
             top_p=t(top_p) if any(p < 1.0 for p in top_p) else None,
             min_p=t(min_p) if any(p > 0.0 for p in min_p) else None,
@@ -96,9 +98,9 @@ class Sampler:
         return logits
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy = first_argmax(logits) if batch.greedy.any() else None
         if batch.all_greedy:
-            return greedy
+            return first_argmax(logits)
+        greedy = first_argmax(logits) if batch.greedy.any() else None
         sampled = self._sample(logits, batch)  # consumes logits
         return torch.where(batch.greedy, greedy, sampled) if greedy is not None else sampled
 
@@ -172,7 +174,10 @@ _ARGMAX_CHUNK = 2048
 def first_argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum, as torch.argmax, 2-4x faster on a CPU for vocabulary-wide rows
     (a reduction with indices runs slowly there): the maxima of chunks of each row, then the first
-    maximum inside the first chunk that holds the row's."""
+    maximum inside the first chunk that holds the row's. With tokenmill's CPU kernels loaded, one op
+    (csrc/sampling.cpp): after the LM head each op starts cold, and eight took 4x one's time."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1 and cpu_kernels_loaded():
+        return torch.ops.tokenmill.argmax_rows(x)
     rows, width = x.shape
     n = width // _ARGMAX_CHUNK
     if n < 2:
