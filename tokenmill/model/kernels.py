@@ -2,8 +2,8 @@
 decode attention, RMSNorm (+ residual), SiLU-and-mul, rotary embedding, the fused decode layers and a
 greedy row argmax (sources in csrc/).
 
-Compiled once per machine with torch's cpp_extension (one translation unit including both
-sources, with torch's lighter headers: ~11 s of one core; concurrent processes wait for one
+Compiled once per machine with torch's cpp_extension (one translation unit including every
+source, with torch's lighter headers: ~11 s of one core; concurrent processes wait for one
 builder under a file lock), cached under the tokenmill cache keyed by the sources, torch
 version and CPU features, and linked to torch's own OpenMP runtime so the kernels share torch's
 intra-op threads. Returns False (callers fall back to portable code) when
