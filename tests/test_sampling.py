@@ -223,12 +223,20 @@ def test_skip_special_tokens(smol_fp32):
     assert "<|im_end|>" in raw.text and "<|im_end|>" not in clean.text
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch-ops", "cpu-kernel"])
 @pytest.mark.parametrize("width", [7, 2048, 4096, 49152, 151936, 4096 * 3 + 5])
-def test_first_argmax_is_torch_argmax(width):
-    """The sampler's greedy pick (chunked for speed) is each row's first maximum, ties included."""
+def test_first_argmax_is_torch_argmax(width, native, monkeypatch):
+    """The sampler's greedy pick (chunked for speed, in torch ops or in one C++ op once the CPU
+    kernels are loaded) is each row's first maximum, ties included."""
     import torch
 
+    from tokenmill.model.kernels import load_cpu_kernels
+    from tokenmill.worker import sampler
     from tokenmill.worker.sampler import first_argmax
+
+    if native and not load_cpu_kernels():
+        pytest.skip("no C++ toolchain")
+    monkeypatch.setattr(sampler, "cpu_kernels_loaded", lambda: native)
 
     g = torch.Generator().manual_seed(width)
     rows = [torch.randn(width, generator=g),
