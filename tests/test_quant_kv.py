@@ -121,6 +121,14 @@ def test_bfloat16_cache_under_an_fp32_model():
     assert out[0].outputs[0].text.startswith(" Paris")
 
 
+def test_fp8_is_vllms_name_for_e4m3():
+    from tokenmill.config import EngineConfig
+
+    assert EngineConfig.from_kwargs(kv_cache_dtype="fp8").cache.kv_cache_dtype == "fp8_e4m3"
+    with pytest.raises(ConfigError, match="torch_sdpa backend cannot read it"):
+        LLM(kv_cache_dtype="fp8", attention_backend="torch_sdpa", progress=False)
+
+
 def test_quantized_cache_needs_a_backend_that_reads_it():
     with pytest.raises(ConfigError, match="torch_sdpa backend cannot read it"):
         LLM(kv_cache_dtype="int8", attention_backend="torch_sdpa", progress=False)

@@ -67,7 +67,8 @@ class ModelOptions:
         return torch.bfloat16 if has_fast_bf16() else torch.float32
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3")
+KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's spelling: "fp8" is e4m3
 
 
 @dataclass
@@ -81,12 +82,13 @@ class CacheConfig:
                                            "cache, like vLLM's gpu_memory_utilization. Used instead of "
                                            "--kv-cache-memory when given.")
     enable_prefix_caching: bool = opt("Reuse KV cache blocks of shared prompt prefixes.", True)
-    kv_cache_dtype: str = opt("KV cache storage: auto (the model dtype), bfloat16, int8 or fp8_e4m3 (one scale per "
-                              "token and kv head; about half the bytes of bf16, read in place by the cpu_paged decode "
-                              "kernel).", "auto", choices=list(KV_CACHE_DTYPES))
+    kv_cache_dtype: str = opt("KV cache storage: auto (the model dtype), bfloat16, int8 or fp8_e4m3 (fp8 for short; "
+                              "one scale per token and kv head; about half the bytes of bf16, read in place by the "
+                              "cpu_paged decode kernel).", "auto", choices=list(KV_CACHE_DTYPES))
 
     def validate(self) -> None:
         check_choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
+        self.kv_cache_dtype = KV_CACHE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         check_positive(self, "block_size")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}", param="block_size")
