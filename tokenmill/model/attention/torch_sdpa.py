@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -43,11 +44,11 @@ class SDPAMetadata(AttentionMetadata):
 def padded_block_table(tables: list[list[int]], lens: list[int], block_size: int) -> torch.Tensor:
     """[n, max_blocks] int64 block ids covering each sequence's length, padded with block 0."""
     max_blocks = (max(lens) + block_size - 1) // block_size
-    out = torch.zeros(len(lens), max_blocks, dtype=torch.long)
+    out = np.zeros((len(lens), max_blocks), dtype=np.int64)  # filled in numpy: a torch setitem is ~7 us a row
     for i, (table, n) in enumerate(zip(tables, lens)):
         nb = (n + block_size - 1) // block_size
-        out[i, :nb] = torch.tensor(table[:nb], dtype=torch.long)
-    return out
+        out[i, :nb] = table[:nb]
+    return torch.from_numpy(out)
 
 
 def decode_rows(layout: BatchLayout) -> tuple[list[list[int]], list[int]]:
