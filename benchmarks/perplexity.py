@@ -9,7 +9,7 @@ of 1024 tokens, prefilled in chunks of 128). `--only` takes groups (gguf, kv, in
 made from all saved ones, so a long table can be measured in several short runs.
 - gguf: the GGUF in its own types (fp32 and bf16 activations, 16-, 8-bit and auto activation codes) vs
   the same GGUF dequantized to fp32 at load (`--quantization none`);
-- kv: the native GGUF with an int8 / fp8 KV cache vs a bf16 KV cache;
+- kv: the native GGUF with an int8 / fp8 (e4m3, e5m2) KV cache vs a bf16 KV cache;
 - int: --quantization int8 / int4 (g32, g128) of a Hugging Face folder holding the GGUF's weights
   dequantized to fp32 (made once with transformers), vs that folder in fp32.
 Native-GGUF and KV rows run with --batch-invariant: every token then goes through exactly what
@@ -43,6 +43,7 @@ DECODE_PATH = dict(batch_invariant=True)
 PACKED_ONLY = dict(quant_dense_min_rows=CHUNK + 1)
 GGUF_REF = ("gguf-ref", "dequantized fp32", 0.5)
 KV_REF = ("kv-bf16", "bf16 KV cache", 1.0)
+KV_REF_UNBUDGETED = ("kv-bf16", "bf16 KV cache", None)  # e5m2: vLLM's other fp8, for which issue 8 sets no budget
 INT_REF = ("int-ref", "fp32 folder", 1.0)
 
 # name -> (group, label, (reference row, its label, budget %) or None, engine arguments)
@@ -64,6 +65,8 @@ ROWS = {
                 dict(quantization="gguf", dtype="bfloat16", kv_cache_dtype="int8", **DECODE_PATH)),
     "kv-fp8": ("kv", "gguf native, bf16, fp8_e4m3 KV cache", KV_REF,
                dict(quantization="gguf", dtype="bfloat16", kv_cache_dtype="fp8_e4m3", **DECODE_PATH)),
+    "kv-fp8-e5m2": ("kv", "gguf native, bf16, fp8_e5m2 KV cache", KV_REF_UNBUDGETED,
+                    dict(quantization="gguf", dtype="bfloat16", kv_cache_dtype="fp8_e5m2", **DECODE_PATH)),
     "int-ref": ("int", "HF folder, fp32", None, dict(quantization="none", dtype="float32")),
     "int8": ("int", "--quantization int8", INT_REF, dict(quantization="int8", dtype="float32", **PACKED_ONLY)),
     "int4-g32": ("int", "--quantization int4 (group 32)", (*INT_REF[:2], 5.0),
@@ -136,12 +139,13 @@ def table(results: dict, models: list[str], tokens: int) -> str:
                 continue
             base = results.get(f"{model}|{tokens}|{ref[0]}")
             if base is None or base["ppl"] is None:
-                lines.append(f"| {model} | {label} | {ref[1]} (not measured) | {r['ppl']:.3f} | | | {ref[2]}% | |")
+                budget = "none" if ref[2] is None else f"{ref[2]}%"
+                lines.append(f"| {model} | {label} | {ref[1]} (not measured) | {r['ppl']:.3f} | | | {budget} | |")
                 continue
             delta = 100 * (r["ppl"] / base["ppl"] - 1)
-            ok = "pass" if abs(delta) <= ref[2] else "**FAIL**"
+            ok = "" if ref[2] is None else "pass" if abs(delta) <= ref[2] else "**FAIL**"
             lines.append(f"| {model} | {label} | {ref[1]} | {r['ppl']:.3f} | {base['ppl']:.3f} | {delta:+.2f}% | "
-                         f"{ref[2]}% | {ok} |")
+                         f"{'none' if ref[2] is None else f'{ref[2]}%'} | {ok} |")
     return "\n".join(lines)
 
 
@@ -155,7 +159,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.list:
         for row, (group, label, ref, kw) in ROWS.items():
-            print(f"{row:10} {group:5} {label}  {kw}" + (f"  vs {ref[0]}, budget {ref[2]}%" if ref else ""))
+            against = "" if ref is None else f"  vs {ref[0]}" + ("" if ref[2] is None else f", budget {ref[2]}%")
+            print(f"{row:10} {group:5} {label}  {kw}{against}")
         return
     wanted = set(args.only.split(","))
     unknown = wanted - set(ROWS) - {g for g, *_ in ROWS.values()}

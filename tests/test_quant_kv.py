@@ -1,4 +1,4 @@
-"""Quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3 / bfloat16): the write and decode kernels
+"""Quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3 / fp8_e5m2 / bfloat16): the write and decode kernels
 against SDPA on what is stored, per ISA variant, and through the engine."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from tokenmill.errors import ConfigError
 from tokenmill.model.quant_kernels import quant_kernels_available, quant_kv_ops, supported_variants
 
 pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ toolchain")
-STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+ROUNDING = {"int8": 0.5 / 127, "fp8_e4m3": 2**-4, "fp8_e5m2": 2**-3}  # of a head's absmax: half a step, at most
 
 
 def _filled_cache(ops, kind, dtype, lens, hkv, d, bs=16):
@@ -48,7 +49,7 @@ def _reference(q, data, scale, table, n, d, hkv):
 
 
 @pytest.mark.parametrize("variant", supported_variants())
-@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kind", list(STORAGE))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantized_cache_write_and_decode(variant, kind, dtype):
     torch.manual_seed(0)
@@ -62,7 +63,7 @@ def test_quantized_cache_write_and_decode(variant, kind, dtype):
         slots = _slots(tables[i], n)
         stored = [data[j].view(-1, hkv, d)[slots].float() * scale[j].view(-1, hkv)[slots, :, None] for j in (0, 1)]
         # what the kernel reads back is within the format's rounding of what was written
-        rel = 0.5 / 127 if kind == "int8" else 2**-4
+        rel = ROUNDING[kind]
         for j, x in enumerate((ks[i], vs[i])):
             amax = x.float().abs().amax(-1, keepdim=True)
             assert ((stored[j] - x.float()).abs() <= rel * amax + 1e-6).all()
@@ -71,7 +72,7 @@ def test_quantized_cache_write_and_decode(variant, kind, dtype):
                                    atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kind", list(STORAGE))
 @pytest.mark.parametrize("hkv,heads,d", [(2, 6, 64), (3, 9, 64), (2, 12, 128), (1, 10, 128)])
 def test_avx512_decode_reads_a_quantized_cache(kind, hkv, heads, d):
     """The attention library's AVX-512 kernel on int8 / fp8 caches (bf16 queries): against SDPA over
@@ -100,10 +101,12 @@ def test_avx512_decode_reads_a_quantized_cache(kind, hkv, heads, d):
         assert torch.equal(alone, out[i:i + 1])
 
 
-def test_int8_cache_halves_the_bytes_and_generates():
+@pytest.mark.parametrize("kind", list(STORAGE))
+def test_quantized_cache_halves_the_bytes_and_generates(kind):
     kw = dict(dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512, progress=False)
     plain = LLM(**kw)
-    llm = LLM(kv_cache_dtype="int8", **kw)
+    llm = LLM(kv_cache_dtype=kind, **kw)
+    assert llm.engine.core.worker.kv_storage == STORAGE[kind]
     w, w0 = llm.engine.core.worker, plain.engine.core.worker
     assert w.kv_bytes_per_token < 0.54 * w0.kv_bytes_per_token  # 64 + 4 bytes per head and token vs 128
     assert w.num_blocks > 1.8 * w0.num_blocks  # the same budget holds ~twice the tokens

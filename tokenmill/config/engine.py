@@ -67,8 +67,9 @@ class ModelOptions:
         return torch.bfloat16 if has_fast_bf16() else torch.float32
 
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's spelling: "fp8" is e4m3
+SCALED_KV_CACHE_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")  # codes and a scale: only cpu_paged's kernels read them
 
 
 @dataclass
@@ -82,9 +83,9 @@ class CacheConfig:
                                            "cache, like vLLM's gpu_memory_utilization. Used instead of "
                                            "--kv-cache-memory when given.")
     enable_prefix_caching: bool = opt("Reuse KV cache blocks of shared prompt prefixes.", True)
-    kv_cache_dtype: str = opt("KV cache storage: auto (the model dtype), bfloat16, int8 or fp8_e4m3 (fp8 for short; "
-                              "one scale per token and kv head; about half the bytes of bf16, read in place by the "
-                              "cpu_paged decode kernel).", "auto", choices=list(KV_CACHE_DTYPES))
+    kv_cache_dtype: str = opt("KV cache storage: auto (the model dtype), bfloat16, int8, fp8_e4m3 (fp8 for short) or "
+                              "fp8_e5m2 (one scale per token and kv head; about half the bytes of bf16, read in place "
+                              "by the cpu_paged decode kernel).", "auto", choices=list(KV_CACHE_DTYPES))
 
     def validate(self) -> None:
         check_choice(self, "kv_cache_dtype", KV_CACHE_DTYPES)
@@ -240,7 +241,7 @@ class EngineConfig:
         """Every check of every group, then the ones across groups."""
         for group in self.groups().values():
             group.validate()
-        if self.cache.kv_cache_dtype in ("int8", "fp8_e4m3") and self.kernel.attention_backend == "torch_sdpa":
+        if self.cache.kv_cache_dtype in SCALED_KV_CACHE_DTYPES and self.kernel.attention_backend == "torch_sdpa":
             raise ConfigError(f"kv_cache_dtype={self.cache.kv_cache_dtype} is read by the cpu_paged attention "
                               f"backend's kernels; the torch_sdpa backend cannot read it", param="kv_cache_dtype")
 

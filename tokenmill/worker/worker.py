@@ -13,6 +13,7 @@ import torch
 
 from tokenmill import distributed
 from tokenmill.config import EngineConfig, available_memory_bytes
+from tokenmill.config.engine import SCALED_KV_CACHE_DTYPES
 from tokenmill.distributed.partition import attention_heads, total_kv_heads
 from tokenmill.errors import ConfigError
 from tokenmill.model.attention import get_attention_backend
@@ -67,7 +68,7 @@ class Worker:
 
         if config.quant.quantization != "none":
             quant_kernels.start_build("quant", load)
-        if config.cache.kv_cache_dtype in ("int8", "fp8_e4m3"):
+        if config.cache.kv_cache_dtype in SCALED_KV_CACHE_DTYPES:
             quant_kernels.start_build("quant_kv", load)
 
     def __init__(self, config: EngineConfig, source: ModelSource, model_config: ModelConfig, progress=True,

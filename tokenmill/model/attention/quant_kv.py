@@ -1,4 +1,4 @@
-"""A KV cache stored in another dtype than the model's: int8 or fp8 e4m3 with a float scale per
+"""A KV cache stored in another dtype than the model's: int8, fp8 e4m3 or e5m2 with a float scale per
 token and kv head (about half the bytes of bf16), or bf16 under an fp32 model. The cpu_paged
 backend writes it with `kv_write_quant` and its decode kernel reads it in place; prefill chunks
 that attend to cached context gather and dequantize the blocks they need."""
@@ -11,7 +11,9 @@ import torch
 
 from tokenmill.errors import ConfigError
 
-STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "bfloat16": torch.bfloat16}
+STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+           "bfloat16": torch.bfloat16}
+SCALED = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # codes with a float scale per token and kv head
 
 
 @dataclass
@@ -37,14 +39,14 @@ def bytes_per_token_head(storage: torch.dtype | None, model_dtype: torch.dtype, 
     """K or V of one token and kv head, scale included."""
     if storage is None:
         return head_dim * model_dtype.itemsize
-    scale = 4 if storage in (torch.int8, torch.float8_e4m3fn) else 0
+    scale = 4 if storage in SCALED else 0
     return head_dim * storage.itemsize + scale
 
 
 def allocate(layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
              storage: torch.dtype, device) -> list[QuantizedKVCache]:
     data = torch.zeros(layers, 2, num_blocks, block_size, kv_heads, head_dim, dtype=storage, device=device)
-    scaled = storage in (torch.int8, torch.float8_e4m3fn)
+    scaled = storage in SCALED
     scale = torch.zeros((layers, 2, num_blocks, block_size, kv_heads) if scaled else (layers, 2, 0),
                         dtype=torch.float32, device=device)
     return [QuantizedKVCache(data[i], scale[i]) for i in range(layers)]

@@ -149,7 +149,7 @@ void avx512_path(at::Tensor& out, const at::Tensor& q, const PagedKV<C>& kv, con
 }
 #endif
 
-// The AVX-512 path over an int8 or fp8 e4m3 cache with per-token scales (quant_kv.cpp's layout):
+// The AVX-512 path over an int8, fp8 e4m3 or fp8 e5m2 cache with per-token scales (quant_kv.cpp's layout):
 // false when it does not apply (another ISA, fp32 queries, head_dim not 64 or 128), and the caller
 // then runs quant_kv.cpp's portable kernel.
 bool paged_decode_attention_scaled(at::Tensor out, const at::Tensor& q, const at::Tensor& k_data,
@@ -177,6 +177,12 @@ bool paged_decode_attention_scaled(at::Tensor out, const at::Tensor& q, const at
       avx512_path(out, q,
                   PagedKV<c10::Float8_e4m3fn>{k_data.data_ptr<c10::Float8_e4m3fn>(),
                                               v_data.data_ptr<c10::Float8_e4m3fn>(), ks, vs},
+                  bt, sl, Hkv, BS, static_cast<float>(scale));
+      return true;
+    case at::kFloat8_e5m2:
+      avx512_path(out, q,
+                  PagedKV<c10::Float8_e5m2>{k_data.data_ptr<c10::Float8_e5m2>(), v_data.data_ptr<c10::Float8_e5m2>(),
+                                            ks, vs},
                   bt, sl, Hkv, BS, static_cast<float>(scale));
       return true;
     default:

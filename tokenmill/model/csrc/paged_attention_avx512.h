@@ -5,13 +5,14 @@
 // A row's chunks depend on its length only, and each chunk's arithmetic on that row only (the
 // rows of a run share K/V loads, not sums), so a row's result does not depend on the batch, on
 // the run it is part of (a speculative verification), or on the thread count.
-// The cache is bf16, or int8 / fp8 e4m3 codes with one float scale per token and kv head
+// The cache is bf16, or int8 / fp8 e4m3 / fp8 e5m2 codes with one float scale per token and kv head
 // (quant_kv.cpp writes them). Keys go to the scores as bf16 (codes exactly; the scale multiplies
 // the score, paged_attention_keys.h), and values too (the scale multiplies the token's weight,
 // paged_attention_values.h).
 #pragma once
 
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <immintrin.h>
 
 #include <memory>
@@ -45,6 +46,12 @@ inline __m512 f32x16(const c10::Float8_e4m3fn* p) {
   const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 20);
   const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
   return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)), _mm512_set1_ps(0x1p120f));
+}
+
+// e5m2 is the top byte of an IEEE half: shifted into place, a half-to-float conversion is exact
+inline __m512 f32x16(const c10::Float8_e5m2* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
 }
 
 // The scale of a cache slot's row of kv head h in a quantized cache ([num_blocks, BS, Hkv]

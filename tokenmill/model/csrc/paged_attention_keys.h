@@ -51,7 +51,7 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// 32 values of a cache row as bf16, in order: bf16 as stored; int8 and e4m3 codes exactly (as
+// 32 values of a cache row as bf16, in order: bf16 as stored; int8, e4m3 and e5m2 codes exactly (as
 // floats they have at most 8 significant bits, so the top half of the float is the value).
 template <typename C>
 inline __m512i bf16x32(const C* p) {

@@ -1,10 +1,12 @@
-// Quantized KV cache: int8 or fp8 e4m3 values with one float scale per token and kv head
-// (absmax / 127, or / 448), written by kv_write_quant and read in place by the paged decode kernel
-// below; the same kernel also reads a bf16 cache under fp32 queries. Caches: data [num_blocks,
-// block_size, Hkv, D] (int8, float8_e4m3fn or bf16), scale [num_blocks, block_size, Hkv] float.
+// Quantized KV cache: int8, fp8 e4m3 or fp8 e5m2 values with one float scale per token and kv head
+// (absmax / 127, / 448 or / 57344), written by kv_write_quant and read in place by the paged decode
+// kernel below; the same kernel also reads a bf16 cache under fp32 queries. Caches: data
+// [num_blocks, block_size, Hkv, D] (int8, float8_e4m3fn, float8_e5m2 or bf16), scale [num_blocks,
+// block_size, Hkv] float.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -17,7 +19,8 @@
 
 namespace {
 
-constexpr float kInt8Max = 127.f, kFp8Max = 448.f;
+template <typename C>
+constexpr float kMaxCode = std::is_same_v<C, int8_t> ? 127.f : std::is_same_v<C, c10::Float8_e5m2> ? 57344.f : 448.f;
 
 template <typename T, typename C>
 void write_quant(const T* src, int64_t src_stride, C* data, float* scale, const int64_t* slots, int64_t n,
@@ -28,7 +31,7 @@ void write_quant(const T* src, int64_t src_stride, C* data, float* scale, const 
       const T* x = src + t * src_stride + h * D;
       float amax = 0.f;
       for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
-      const float qmax = std::is_same_v<C, int8_t> ? kInt8Max : kFp8Max;
+      const float qmax = kMaxCode<C>;
       const float s = amax / qmax, inv = amax > 0.f ? qmax / amax : 0.f;
       C* out = data + (slots[t] * Hkv + h) * D;
       for (int64_t d = 0; d < D; ++d) {
@@ -46,6 +49,7 @@ void dispatch_cache(const at::Tensor& data, F&& f) {
   switch (data.scalar_type()) {
     case at::kChar: f(int8_t{}); break;
     case at::kFloat8_e4m3fn: f(c10::Float8_e4m3fn{}); break;
+    case at::kFloat8_e5m2: f(c10::Float8_e5m2{}); break;
     default: TORCH_CHECK(false, "quantized KV cache: unsupported dtype ", data.scalar_type());
   }
 }
@@ -144,6 +148,7 @@ void paged_decode_attention_q(at::Tensor out, const at::Tensor& q, const at::Ten
     switch (k_data.scalar_type()) {
       case at::kChar: run(ttag, int8_t{}); break;
       case at::kFloat8_e4m3fn: run(ttag, c10::Float8_e4m3fn{}); break;
+      case at::kFloat8_e5m2: run(ttag, c10::Float8_e5m2{}); break;
       case at::kBFloat16: run(ttag, at::BFloat16{}); break;
       default: TORCH_CHECK(false, "paged_decode_attention_q: unsupported cache dtype ", k_data.scalar_type());
     }
