@@ -149,6 +149,14 @@ def test_bad_speculative_config_is_a_clear_error(bad, match):
         EngineConfig.from_kwargs(speculative_config=bad)
 
 
+@pytest.mark.parametrize("model", ["[ngram]", "ngram"])
+def test_vllms_older_ngram_spelling_is_the_ngram_method(model):
+    from tokenmill.config import EngineConfig
+
+    spec = EngineConfig.from_kwargs(speculative_config={"model": model, "num_speculative_tokens": 3}).speculative
+    assert (spec.method, spec.draft_model, spec.num_speculative_tokens) == ("ngram", None, 3)
+
+
 @pytest.mark.slow
 def test_draft_model_greedy_identical_to_no_speculation(reference_fp32, smol_path, tiny_llama_dir):
     """SmolLM2 drafting for itself (drafts mostly kept) and a random tiny Llama with the same

@@ -57,6 +57,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative_config: unknown key(s) {', '.join(sorted(unknown))}; known: "
                               f"{', '.join(sorted(_SPEC_KEYS))}", param="speculative_config")
         self.speculative_config = raw
+        if not raw.get("method") and raw.get("model") in ("ngram", "[ngram]"):  # vLLM's older spelling of ngram
+            raw = {k: v for k, v in raw.items() if k != "model"} | {"method": "ngram"}
         method = raw.get("method") or ("draft_model" if raw.get("model") else None)
         if method not in SPEC_METHODS:
             raise ConfigError(f"speculative_config: unknown method {method!r}; choose ngram (with "
