@@ -123,6 +123,10 @@ def measure(model: str, row: str, ids: list[int]) -> dict:
     return rec
 
 
+def _budget(ref: tuple) -> str:
+    return "none" if ref[2] is None else f"{ref[2]}%"
+
+
 def table(results: dict, models: list[str], tokens: int) -> str:
     lines = ["| model | configuration | reference | perplexity | reference ppl | change | budget | pass |",
              "|---|---|---|---|---|---|---|---|"]
@@ -139,13 +143,12 @@ def table(results: dict, models: list[str], tokens: int) -> str:
                 continue
             base = results.get(f"{model}|{tokens}|{ref[0]}")
             if base is None or base["ppl"] is None:
-                budget = "none" if ref[2] is None else f"{ref[2]}%"
-                lines.append(f"| {model} | {label} | {ref[1]} (not measured) | {r['ppl']:.3f} | | | {budget} | |")
+                lines.append(f"| {model} | {label} | {ref[1]} (not measured) | {r['ppl']:.3f} | | | {_budget(ref)} | |")
                 continue
             delta = 100 * (r["ppl"] / base["ppl"] - 1)
             ok = "" if ref[2] is None else "pass" if abs(delta) <= ref[2] else "**FAIL**"
             lines.append(f"| {model} | {label} | {ref[1]} | {r['ppl']:.3f} | {base['ppl']:.3f} | {delta:+.2f}% | "
-                         f"{'none' if ref[2] is None else f'{ref[2]}%'} | {ok} |")
+                         f"{_budget(ref)} | {ok} |")
     return "\n".join(lines)
 
 

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.config.engine import SCALED_KV_CACHE_DTYPES
 from tokenmill.errors import ConfigError
 
 STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
            "bfloat16": torch.bfloat16}
-SCALED = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)  # codes with a float scale per token and kv head
+SCALED = tuple(STORAGE[name] for name in SCALED_KV_CACHE_DTYPES)  # codes with a float scale per token and kv head
 
 
 @dataclass
