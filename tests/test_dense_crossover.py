@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from tokenmill import LLM
+from tokenmill.config import EngineConfig
+from tokenmill.errors import ConfigError
 from tokenmill.model.fused_decode import FusedDecode
-from tokenmill.model.layers.quantization import act_bits, packed
+from tokenmill.model.layers.quantization import act_bits, crossover, packed
 from tokenmill.model.layers.quantization.formats import FORMATS, random_blocks
 from tokenmill.model.quant_kernels import quant_kernels_available
 
@@ -83,11 +85,73 @@ def test_loaded_model_uses_the_crossover_of_its_codes(bits, tmp_path, monkeypatc
     model = llm.engine.core.worker.model
     methods = act_bits.packed_methods(model)
     assert methods and {m.act_bits for m in methods} == ({8} if bits != "auto" else {16})
+    measured = crossover.wants_measurement(None)  # an AMX CPU: no table entry, measured at load
     for m in methods:
-        assert m.dense_min_rows == packed.default_dense_min_rows(m.act_bits, m.main_qtype)
+        assert m.dense_min_rows == (_kept(m, model.dtype) if measured else
+                                    packed.default_dense_min_rows(m.act_bits, m.main_qtype))
     llm.generate(["Hello"], use_tqdm=False)
     fused = model.model.fused_decode
     if fused is not None and fused.usable:  # built at the first step: it holds what the layers hold now
         layers = [model.model.layers[i] for i in model.model.stage_layers]
         again = FusedDecode(layers, layers[0].self_attn.backend)
         assert fused.ints == again.ints and fused.act_bits == again.act_bits == methods[0].act_bits
+
+
+def _kept(method, dtype) -> int:
+    """The crossover kept for this CPU, the method's format and codes (crossover.py)."""
+    return crossover._read_cache()[crossover.cache_key(method.main_qtype, method.act_bits, dtype)]["rows"]
+
+
+def test_the_rule_dense_from_where_it_wins_at_every_larger_count():
+    assert crossover.crossover_from({16: (1, 3), 64: (4, 5), 256: (16, 10), 1024: (64, 30)}) == 256
+    assert crossover.crossover_from({16: (1, 3), 64: (4, 5), 256: (16, 10), 1024: (30, 31)}) == 0  # loses last
+    assert crossover.crossover_from({16: (1, 0.5), 64: (4, 5), 256: (16, 10)}) == 256  # a win below a loss
+    assert crossover.crossover_from({16: (1, 0.97), 64: (4, 3.9)}) == 0  # within the 5% margin: packed
+    assert crossover.crossover_from({}) == 0
+
+
+def test_only_kinds_without_a_table_entry_or_measure_are_measured(monkeypatch):
+    monkeypatch.setattr(crossover, "active_isa", lambda: "amx")
+    assert crossover.wants_measurement(None) and crossover.wants_measurement("measure")
+    assert not crossover.wants_measurement(64)  # --quant-dense-min-rows 64 holds
+    monkeypatch.setattr(crossover, "active_isa", lambda: "avx512_bf16")
+    assert not crossover.wants_measurement(None) and crossover.wants_measurement("measure")
+
+
+def test_the_flag_takes_rows_or_measure():
+    assert EngineConfig.from_kwargs(quant_dense_min_rows="measure").quant.quant_dense_min_rows == "measure"
+    assert EngineConfig.from_kwargs(quant_dense_min_rows="256").quant.quant_dense_min_rows == 256
+    for bad in (0, "0", "soon", -4):
+        with pytest.raises(ConfigError, match="quant_dense_min_rows"):
+            EngineConfig.from_kwargs(quant_dense_min_rows=bad)
+
+
+def test_measured_at_load_per_format_then_kept(tmp_path, monkeypatch):
+    """SmolLM2's Q4_1 layers and Q8_0 head: each format measured on its largest layer, set on every
+    layer of that format, kept, and read back without measuring again by the next load, which takes
+    the default policy on a CPU kind that has no table entry (as an AMX Xeon)."""
+    monkeypatch.setattr(crossover, "_cache_path", lambda: tmp_path / "dense_crossover.json")
+    args = dict(kv_cache_memory="64MiB", max_model_len=256, quant_act_bits=16, quant_dense_min_rows="measure",
+                progress=False)
+    llm = LLM(**args)
+    model = llm.engine.core.worker.model
+    kept = json.loads((tmp_path / "dense_crossover.json").read_text())
+    assert {k.split("|")[-3] for k in kept} == {"Q4_1", "Q8_0"}
+    for entry in kept.values():
+        assert list(map(int, entry["ms"]))[:3] == [16, 32, 64] and entry["shape"][0] <= crossover.SLICE_ROWS
+        assert entry["rows"] == crossover.crossover_from({int(m): tuple(t) for m, t in entry["ms"].items()})
+    methods = act_bits.packed_methods(model)
+    assert {m.dense_min_rows for m in methods} <= {e["rows"] for e in kept.values()}
+    for m in methods:
+        assert m.dense_min_rows == _kept(m, model.dtype)
+    assert llm.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids
+    del llm
+
+    def no_measuring(*a, **k):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(crossover, "measure", no_measuring)
+    monkeypatch.setattr(crossover, "active_isa", lambda: "amx")  # the default on a kind without a table entry
+    again = LLM(**{**args, "quant_dense_min_rows": None})
+    for m in act_bits.packed_methods(again.engine.core.worker.model):
+        assert m.dense_min_rows == _kept(m, model.dtype)

@@ -195,9 +195,11 @@ class QuantizationConfig:
                                     "or auto (8 where it measures within 0.3% perplexity of 16-bit codes on built-in "
                                     "text, once per model and cached, else 16).", "auto",
                                     choices=["auto", "8", "16"])
-    quant_dense_min_rows: int | None = opt("Rows from which a quantized layer dequantizes its weight slab by slab "
-                                           "and runs the dense GEMM instead of the packed kernel (default: measured "
-                                           "per CPU kind, see BENCHMARKS.md).")
+    quant_dense_min_rows: int | str | None = opt("Rows from which a quantized layer dequantizes its weight slab by "
+                                                 "slab and runs the dense GEMM instead of the packed kernel (default: "
+                                                 "the crossover measured for this CPU kind, see BENCHMARKS.md; on a "
+                                                 "kind without one, such as AMX, measured at load once and cached), "
+                                                 "or `measure` (measure it at load on this CPU whatever its kind).")
 
     def validate(self) -> None:
         check_choice(self, "quantization", QUANTIZATIONS)
@@ -205,7 +207,12 @@ class QuantizationConfig:
         if isinstance(self.quant_act_bits, str) and self.quant_act_bits.isdigit():
             self.quant_act_bits = int(self.quant_act_bits)
         check_choice(self, "quant_act_bits", ("auto", 8, 16))
-        check_positive(self, "quant_dense_min_rows", allow_none=True)
+        if isinstance(self.quant_dense_min_rows, str) and self.quant_dense_min_rows.isdigit():
+            self.quant_dense_min_rows = int(self.quant_dense_min_rows)
+        rows = self.quant_dense_min_rows
+        if rows not in (None, "measure") and (isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0):
+            raise ConfigError(f"quant_dense_min_rows must be a positive integer or 'measure', got {rows!r}",
+                              param="quant_dense_min_rows")
 
 
 @dataclass

@@ -77,11 +77,15 @@ class QuantConfig(ABC):
 
     def after_processing(self, model: nn.Module, source, dtype) -> None:
         """Called once every layer has processed its weights: `--quant-act-bits auto` is measured
-        here (act_bits.py) by the configs whose layers are packed."""
+        here (act_bits.py) by the configs whose layers are packed, then, for those codes, the crossover
+        on CPU kinds whose tables have none (crossover.py)."""
         if getattr(self, "act_bits", None) == "auto":
             from tokenmill.model.layers.quantization.act_bits import choose_act_bits
 
             self.act_bits = choose_act_bits(model, source, dtype, self.calibration_ids)
+        from tokenmill.model.layers.quantization.crossover import choose_crossovers
+
+        choose_crossovers(model, dtype)
 
     def packed_tensors(self) -> set[str]:
         """Checkpoint tensors (names with '.weight') the loader must hand over as raw blocks."""

@@ -31,8 +31,10 @@ from tokenmill.utils.cpu import active_isa, cpu_family, cpu_vendor
 # but Q6_K at 2048 (a tie), so it runs everything. avx512 (no VNNI; 2026-11-23, capped on the same
 # Xeon): packed wins at every row count up to 512 too. avx2 (capped, fp32, oneDNN capped to AVX2,
 # 2026-11-23): dequant+GEMM wins from 128 rows on three of four shapes (256 on the fourth).
-# scalar, amx: not re-measured since the x8 layout and the 16-row AVX-512 kernel.
-DENSE_MIN_ROWS: dict[str, int | None] = {"scalar": 1, "avx2": 128, "avx512": None, "avx512_bf16": None, "amx": 16}
+# scalar: not re-measured since the x8 layout and the 16-row AVX-512 kernel. amx: never measured with
+# these kernels, so measured at load (crossover.py); None is only its fallback (tensor or pipeline
+# parallelism), the safer way to be wrong: dequantizing for a few rows costs several times more.
+DENSE_MIN_ROWS: dict[str, int | None] = {"scalar": 1, "avx2": 128, "avx512": None, "avx512_bf16": None, "amx": None}
 # CPU kinds whose crossover differs from their level's. AMD EPYC (Zen 5) with AVX512-BF16 and no AMX
 # (2026-11-25): its oneDNN bf16 GEMM runs 1.2-2x the packed kernel's rate from 64 rows, and with the
 # SIMD dequantization (quant_dequant.h) dequant+GEMM wins from 128 rows on three of four shapes
@@ -70,7 +72,8 @@ class PackedLinearMethod(LinearMethod):
     def __init__(self, qtypes: list[int], dense_min_rows: int | None = None, act_bits: int | str = 16):
         self.qtypes = list(qtypes)
         self.main_qtype = self.qtypes[0]  # the format of most of the weight's bytes, once loaded
-        self.fixed_dense_min_rows = dense_min_rows  # --quant-dense-min-rows; None: the measured crossover
+        # --quant-dense-min-rows; None: the measured crossover; "measure": measured at load (crossover.py)
+        self.fixed_dense_min_rows = dense_min_rows
         self.ops = quant_ops()
         self.set_act_bits(act_bits)
 
@@ -78,8 +81,8 @@ class PackedLinearMethod(LinearMethod):
         """The activation codes (8, 16, or "auto" before act_bits.py measures it), and the crossover
         that goes with them."""
         self.act_bits = bits
-        self.dense_min_rows = (default_dense_min_rows(bits, self.main_qtype) if self.fixed_dense_min_rows is None
-                               else self.fixed_dense_min_rows)
+        fixed = self.fixed_dense_min_rows
+        self.dense_min_rows = default_dense_min_rows(bits, self.main_qtype) if fixed in (None, "measure") else fixed
 
     def create_weights(self, layer, in_features, shard_sizes, dtype, device) -> None:
         if len(shard_sizes) != len(self.qtypes):
