@@ -155,3 +155,17 @@ def test_measured_at_load_per_format_then_kept(tmp_path, monkeypatch):
     again = LLM(**{**args, "quant_dense_min_rows": None})
     for m in act_bits.packed_methods(again.engine.core.worker.model):
         assert m.dense_min_rows == _kept(m, model.dtype)
+
+
+def test_measured_for_weights_quantized_at_load(tiny_qwen2_dir, tmp_path, monkeypatch):
+    """--quantization int4 (groups of 32, i.e. Q4_1) on a small Qwen2 folder, whose largest layer
+    (704 x 256) has fewer rows than the measurement's slice: every packed format measured."""
+    monkeypatch.setattr(crossover, "_cache_path", lambda: tmp_path / "dense_crossover.json")
+    llm = LLM(model=str(tiny_qwen2_dir), quantization="int4", quant_group_size=32, quant_dense_min_rows="measure",
+              dtype="float32", kv_cache_memory="32MiB", max_model_len=128, progress=False)
+    kept = json.loads((tmp_path / "dense_crossover.json").read_text())
+    methods = act_bits.packed_methods(llm.engine.core.worker.model)
+    assert methods and all(e["ms"] and e["shape"][0] <= 704 for e in kept.values())
+    for m in methods:
+        assert m.dense_min_rows == _kept(m, torch.float32)
+    assert llm.generate(["Hello"], use_tqdm=False)[0].outputs[0].token_ids

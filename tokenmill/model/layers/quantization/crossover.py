@@ -149,7 +149,7 @@ def choose_crossovers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, i
         entry = _read_cache().get(key)
         cached = isinstance(entry, dict) and isinstance(entry.get("rows"), int)
         if not cached:
-            n = min(layer.q_rows[shard], SLICE_ROWS) // 16 * 16
+            n = min(layer.q_rows[shard], SLICE_ROWS)  # whole 8-row groups: a valid weight on its own
             weight = layer.q_views[shard][: ops.x8_bytes(qt, n, layer.q_in)]
             t0 = time.perf_counter()
             timings = measure(ops, weight, qt, n, layer.q_in, bits, dtype)
