@@ -10,6 +10,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
 from tokenmill.model.layers.quantization import act_bits
+from tokenmill.model.loader.cache import VerdictFile
 from tokenmill.model.quant_kernels import quant_kernels_available
 
 pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ toolchain")
@@ -30,7 +31,7 @@ def _bits(llm) -> set:
 
 def test_auto_measures_once_and_keeps_the_verdict(tmp_path, monkeypatch):
     cache = tmp_path / "act_bits.json"
-    monkeypatch.setattr(act_bits, "_cache_path", lambda: cache)
+    monkeypatch.setattr(act_bits, "VERDICTS", VerdictFile("act_bits.json", cache))
     llm = LLM(**KV)
     (entry,) = json.loads(cache.read_text()).values()
     # SmolLM2 is the model where 8-bit codes cost too much (BENCHMARKS.md: +0.44% on 20k tokens)
@@ -55,6 +56,6 @@ def test_auto_measures_once_and_keeps_the_verdict(tmp_path, monkeypatch):
 
 def test_explicit_bits_are_not_measured(tmp_path, monkeypatch):
     cache = tmp_path / "act_bits.json"
-    monkeypatch.setattr(act_bits, "_cache_path", lambda: cache)
+    monkeypatch.setattr(act_bits, "VERDICTS", VerdictFile("act_bits.json", cache))
     llm = LLM(quant_act_bits=16, **KV)
     assert _bits(llm) == {16} and not cache.exists()

@@ -16,6 +16,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.model.fused_decode import FusedDecode
 from tokenmill.model.layers.quantization import act_bits, crossover, packed
 from tokenmill.model.layers.quantization.formats import FORMATS, random_blocks
+from tokenmill.model.loader.cache import VerdictFile
 from tokenmill.model.quant_kernels import quant_kernels_available
 
 pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ toolchain")
@@ -75,7 +76,7 @@ def test_loaded_model_uses_the_crossover_of_its_codes(bits, tmp_path, monkeypatc
     """The crossover is settled after `auto` picks the codes (built as 16, then 8 from a kept
     verdict), and the fused decode layers (set up at the first step) run the same."""
     cache = tmp_path / "act_bits.json"
-    monkeypatch.setattr(act_bits, "_cache_path", lambda: cache)
+    monkeypatch.setattr(act_bits, "VERDICTS", VerdictFile("act_bits.json", cache))
     args = dict(kv_cache_memory="256MiB", max_model_len=512, progress=False)
     if bits == "auto-kept-8":
         first = LLM(**args)  # measures SmolLM2: 16 bits; the verdict is then made 8
@@ -99,7 +100,7 @@ def test_loaded_model_uses_the_crossover_of_its_codes(bits, tmp_path, monkeypatc
 
 def _kept(method, dtype) -> int:
     """The crossover kept for this CPU, the method's format and codes (crossover.py)."""
-    return crossover._read_cache()[crossover.cache_key(method.main_qtype, method.act_bits, dtype)]["rows"]
+    return crossover.VERDICTS.read()[crossover.cache_key(method.main_qtype, method.act_bits, dtype)]["rows"]
 
 
 def test_the_rule_dense_from_where_it_wins_at_every_larger_count():
@@ -130,12 +131,12 @@ def test_measured_at_load_per_format_then_kept(tmp_path, monkeypatch):
     """SmolLM2's Q4_1 layers and Q8_0 head: each format measured on its largest layer, set on every
     layer of that format, kept, and read back without measuring again by the next load, which takes
     the default policy on a CPU kind that has no table entry (as an AMX Xeon)."""
-    monkeypatch.setattr(crossover, "_cache_path", lambda: tmp_path / "dense_crossover.json")
+    monkeypatch.setattr(crossover, "VERDICTS", VerdictFile("dense_crossover.json", tmp_path / "kept.json"))
     args = dict(kv_cache_memory="64MiB", max_model_len=256, quant_act_bits=16, quant_dense_min_rows="measure",
                 progress=False)
     llm = LLM(**args)
     model = llm.engine.core.worker.model
-    kept = json.loads((tmp_path / "dense_crossover.json").read_text())
+    kept = json.loads((tmp_path / "kept.json").read_text())
     assert {k.split("|")[-3] for k in kept} == {"Q4_1", "Q8_0"}
     for entry in kept.values():
         assert list(map(int, entry["ms"]))[:3] == [16, 32, 64] and entry["shape"][0] <= crossover.SLICE_ROWS
@@ -160,10 +161,10 @@ def test_measured_at_load_per_format_then_kept(tmp_path, monkeypatch):
 def test_measured_for_weights_quantized_at_load(tiny_qwen2_dir, tmp_path, monkeypatch):
     """--quantization int4 (groups of 32, i.e. Q4_1) on a small Qwen2 folder, whose largest layer
     (704 x 256) has fewer rows than the measurement's slice: every packed format measured."""
-    monkeypatch.setattr(crossover, "_cache_path", lambda: tmp_path / "dense_crossover.json")
+    monkeypatch.setattr(crossover, "VERDICTS", VerdictFile("dense_crossover.json", tmp_path / "kept.json"))
     llm = LLM(model=str(tiny_qwen2_dir), quantization="int4", quant_group_size=32, quant_dense_min_rows="measure",
               dtype="float32", kv_cache_memory="32MiB", max_model_len=128, progress=False)
-    kept = json.loads((tmp_path / "dense_crossover.json").read_text())
+    kept = json.loads((tmp_path / "kept.json").read_text())
     methods = act_bits.packed_methods(llm.engine.core.worker.model)
     assert methods and all(e["ms"] and e["shape"][0] <= 704 for e in kept.values())
     for m in methods:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from dataclasses import asdict, dataclass
 
 from tokenmill.model.loader.cache import cache_root
+from tokenmill.utils.timing import best_of
 
 logger = logging.getLogger(__name__)
 
@@ -59,28 +59,18 @@ class MachineMeasurements:
         return asdict(self)
 
 
-def _best_of(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def measure(dtypes=("float32", "bfloat16")) -> MachineMeasurements:
     import torch
 
     x = torch.ones(64 * 2**20, dtype=torch.float32)  # 256 MiB, far beyond the caches
-    bandwidth = x.numel() * 4 / _best_of(x.sum, 5)
+    bandwidth = x.numel() * 4 / best_of(x.sum, 5)
     del x
     flops = {}
     m, k, n = 256, 2048, 2048
     for name in dtypes:
         dt = getattr(torch, name)
         a, b = torch.randn(m, k).to(dt), torch.randn(n, k).to(dt)
-        flops[name] = 2 * m * k * n / _best_of(lambda a=a, b=b: torch.nn.functional.linear(a, b), 5)
+        flops[name] = 2 * m * k * n / best_of(lambda a=a, b=b: torch.nn.functional.linear(a, b), 5)
     return MachineMeasurements(bandwidth, flops)
 
 

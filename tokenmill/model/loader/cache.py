@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from tokenmill.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -31,6 +34,38 @@ def cache_dir(*parts: str) -> Path:
         raise ConfigError(f"the cache directory {cache_root()} is not writable ({e.strerror or e}); "
                           "set TOKENMILL_CACHE_DIR to a writable folder") from None
     return path
+
+
+class VerdictFile:
+    """A small JSON file of measured verdicts in the cache folder (act_bits.py, crossover.py): read
+    whole; written best effort by atomic replace, as a read-only cache only costs the measurement
+    next time. `path`: a file elsewhere (tests)."""
+
+    def __init__(self, name: str, path: Path | None = None) -> None:
+        self.name, self._path = name, path
+
+    @property
+    def path(self) -> Path:
+        return self._path or cache_root() / self.name
+
+    def read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def put(self, key: str, entry: dict, keep=lambda key: True) -> None:
+        """Adds key; the other entries stay where keep(their key)."""
+        path = self.path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            data = {k: v for k, v in self.read().items() if keep(k)}
+            data[key] = entry
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1))
+            tmp.replace(path)
+        except OSError as e:
+            logger.debug("could not keep a verdict in %s: %s", path, e)
 
 
 def remove_stale(folder: Path, pattern: str, older_than: float = 3600.0) -> None:

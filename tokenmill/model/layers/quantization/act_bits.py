@@ -18,10 +18,8 @@ its logits do, so tests of the products themselves pin the bits.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -29,14 +27,15 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.layers.quantization.packed import PackedLinearMethod
+from tokenmill.model.loader.cache import VerdictFile
 
 logger = logging.getLogger(__name__)
 TOKENS = 512
 MAX_CHANGE = 0.003  # relative perplexity change allowed for 8-bit codes
-CACHE_FILE = "act_bits.json"
 # what 8-bit codes are; a verdict measured on other codes is measured again. 2: power-of-two chunk
 # scales under each 256-value super-block for K-quant weights (csrc/quant_act.h), per 32 for the rest.
 CODES = 2
+VERDICTS = VerdictFile("act_bits.json")
 
 
 def packed_methods(model: torch.nn.Module) -> list[PackedLinearMethod]:
@@ -58,36 +57,6 @@ def fingerprint(path: Path, dtype: torch.dtype) -> str:
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
     stats = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
     return f"{path.resolve()}|{dtype}|codes{CODES}|" + ",".join(stats)
-
-
-def _cache_path() -> Path:
-    from tokenmill.model.loader.cache import cache_root
-
-    return cache_root() / CACHE_FILE
-
-
-def _read_cache() -> dict:
-    try:
-        return json.loads(_cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(key: str, entry: dict) -> None:
-    """Best effort (a read-only cache only costs the measurement next time); atomic replace."""
-    path = _cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # gone models, and older verdicts of this model and dtype: dropped
-        prefix = key.split("|codes", 1)[0] + "|"
-        data = {k: v for k, v in _read_cache().items()
-                if Path(k.split("|", 1)[0]).exists() and not k.startswith(prefix)}
-        data[key] = entry
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-    except OSError as e:
-        logger.debug("could not keep the activation-precision verdict in %s: %s", path, e)
 
 
 def _nll(model: torch.nn.Module, ids: list[int]) -> float:
@@ -134,7 +103,7 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
         logger.info("activation codes: 16-bit (auto is not measured with tensor or pipeline parallelism)")
         return 16
     key = fingerprint(Path(source.path), dtype)
-    entry = _read_cache().get(key)
+    entry = VERDICTS.read().get(key)
     cached = isinstance(entry, dict) and entry.get("bits") in (8, 16)  # else (hand-edited, older): measured
     if not cached:
         from tokenmill.model.layers.quantization.calibration import max_positions
@@ -144,7 +113,9 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
         change = measure_change(model, ids)
         entry = {"change": change, "bits": 8 if change <= MAX_CHANGE else 16, "tokens": len(ids),
                  "seconds": round(time.perf_counter() - t0, 2)}
-        _write_cache(key, entry)
+        # gone models, and older verdicts of this model and dtype: dropped
+        prefix = key.split("|codes", 1)[0] + "|"
+        VERDICTS.put(key, entry, keep=lambda k: Path(k.split("|", 1)[0]).exists() and not k.startswith(prefix))
     set_act_bits(model, entry["bits"])
     logger.info("activation codes: %d-bit (8-bit codes measured %+.3f%% perplexity against 16-bit ones "
                 "on %d tokens of built-in text, limit %+.1f%%%s)", entry["bits"], 100 * entry["change"],

@@ -14,17 +14,16 @@ With tensor or pipeline parallelism several ranks share the cores: no measuremen
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from pathlib import Path
 
 import torch
 
 from tokenmill.model.layers.quantization.formats import BY_ID
 from tokenmill.model.layers.quantization.packed import PackedLinearMethod
+from tokenmill.model.loader.cache import VerdictFile
 from tokenmill.utils.cpu import active_isa, describe
+from tokenmill.utils.timing import best_of
 
 logger = logging.getLogger(__name__)
 MEASURED_AT_LOAD = {"amx"}  # ISA levels whose table entry is a fallback, not a measurement
@@ -32,7 +31,7 @@ ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 MAX_MACS = 2e9  # per timed product: bounds the measurement to ~0.1-0.3 s a format on 2 cores
 SLICE_ROWS = 1024
 MARGIN = 0.95  # dense must take under 95% of the packed kernel's time
-CACHE_FILE = "dense_crossover.json"
+VERDICTS = VerdictFile("dense_crossover.json")
 
 
 def wants_measurement(setting) -> bool:
@@ -52,16 +51,6 @@ def crossover_from(timings: dict[int, tuple[float, float]]) -> int:
     return rows
 
 
-def _best_of(fn, reps: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure(ops, weight: torch.Tensor, qtype: int, n: int, k: int, act_bits: int,
             dtype: torch.dtype) -> dict[int, tuple[float, float]]:
     """Seconds of the packed kernel and of dequantize + dense GEMM for x[M, k] . W^T (W: n packed rows)."""
@@ -72,7 +61,7 @@ def measure(ops, weight: torch.Tensor, qtype: int, n: int, k: int, act_bits: int
             break
         x = torch.randn(m, k, generator=gen).to(dtype)
         out = torch.empty(m, n, dtype=dtype)
-        timings[m] = tuple(_best_of(lambda x=x, out=out, dense=dense: ops.qlinear(
+        timings[m] = tuple(best_of(lambda x=x, out=out, dense=dense: ops.qlinear(
             out, x, [weight], [qtype], [n], None, dense, act_bits)) for dense in (0, 1))
     return timings
 
@@ -97,33 +86,6 @@ def _largest_layers(model: torch.nn.Module) -> dict[int, tuple]:
     return found
 
 
-def _cache_path() -> Path:
-    from tokenmill.model.loader.cache import cache_root
-
-    return cache_root() / CACHE_FILE
-
-
-def _read_cache() -> dict:
-    try:
-        return json.loads(_cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write_cache(key: str, entry: dict) -> None:
-    """Best effort, atomic replace (as act_bits.py's verdicts)."""
-    path = _cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_cache()
-        data[key] = entry
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-    except OSError as e:
-        logger.debug("could not keep the crossover in %s: %s", path, e)
-
-
 def cache_key(qtype: int, act_bits: int, dtype: torch.dtype) -> str:
     from tokenmill.model.quant_kernels import library_path
 
@@ -146,7 +108,7 @@ def choose_crossovers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, i
         bits = next(iter(methods)).act_bits
         name = BY_ID[qt].name
         key = cache_key(qt, bits, dtype)
-        entry = _read_cache().get(key)
+        entry = VERDICTS.read().get(key)
         cached = isinstance(entry, dict) and isinstance(entry.get("rows"), int)
         if not cached:
             n = min(layer.q_rows[shard], SLICE_ROWS)  # whole 8-row groups: a valid weight on its own
@@ -156,7 +118,7 @@ def choose_crossovers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, i
             entry = {"rows": crossover_from(timings), "shape": [n, layer.q_in],
                      "ms": {m: [round(p * 1e3, 3), round(d * 1e3, 3)] for m, (p, d) in timings.items()},
                      "seconds": round(time.perf_counter() - t0, 2)}
-            _write_cache(key, entry)
+            VERDICTS.put(key, entry)
         for method in methods:
             method.dense_min_rows = entry["rows"]
         chosen[name] = entry["rows"]
