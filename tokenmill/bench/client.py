@@ -158,6 +158,9 @@ class StreamingClient:
             rec.prompt_tokens = usage.get("prompt_tokens")
             rec.output_tokens = usage.get("completion_tokens")
             rec.usage_reported = True
+            if isinstance(spec := usage.get("spec_decode"), dict):  # tokenmill's, with speculation
+                rec.spec = tuple(int(spec.get(k) or 0) for k in ("num_drafts", "num_draft_tokens",
+                                                                  "num_accepted_tokens"))
         return False
 
 

@@ -33,6 +33,9 @@ class RequestRecord:
     error: str | None = None
     cancelled: bool = False
     retries: int = 0  # sends again on a fresh connection after the server closed a reused one unread
+    # speculative decoding, where the server reports it (tokenmill's usage.spec_decode): verifications
+    # with drafts, draft tokens, accepted draft tokens
+    spec: tuple[int, int, int] | None = None
     overhead_s: float = 0.0  # wall time in the client's own request building, SSE parsing, bookkeeping
     cpu_s: float = 0.0  # CPU time of the same code (unlike wall time, not inflated when the OS preempts us)
 
@@ -70,7 +73,7 @@ class RequestRecord:
             "ttft_ms": ms(self.ttft) if ok else None, "tpot_ms": ms(self.tpot) if ok else None,
             "e2e_ms": ms(self.e2e) if ok else None, "itl_ms": [ms(v) for v in self.itls] if ok else [],
             "retries": self.retries, "client_overhead_ms": round(self.overhead_s * 1000, 4),
-            "client_cpu_ms": round(self.cpu_s * 1000, 4),
+            "client_cpu_ms": round(self.cpu_s * 1000, 4), **spec_fields([self]),
         }
 
 
@@ -116,6 +119,18 @@ def stats_ms(values_s: list[float]) -> dict[str, float | None]:
     return out
 
 
+def spec_fields(records: list[RequestRecord]) -> dict:
+    """Acceptance rate (accepted / draft tokens) and mean acceptance length (1 + accepted / verifications,
+    vLLM's definitions) over the records whose server reported speculation; {} when none did."""
+    reported = [r.spec for r in records if r.spec is not None]
+    if not reported:
+        return {}
+    drafts, draft_tokens, accepted = (sum(c) for c in zip(*reported))
+    return {"spec_num_drafts": drafts, "spec_num_draft_tokens": draft_tokens, "spec_num_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "spec_mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+
+
 def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None) -> dict:
     """One load point's numbers (latencies in ms, throughputs per second of `duration_s`)."""
     done = [r for r in records if r.ok]
@@ -149,6 +164,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, fl
         "client_cpu_ms_per_request": cpu * 1000 / len(sent) if sent else None,
         "connection_retries": sum(r.retries for r in sent),
         "errors": errors,
+        **spec_fields(done),
     }
 
 
@@ -189,6 +205,10 @@ def print_run(console, run: dict) -> None:
         ("event-loop lag (ms, mean / max)",
          f"{_num(run['event_loop_lag_ms']['mean'], 2)} / {_num(run['event_loop_lag_ms']['max'], 2)}"),
     ]
+    if run.get("spec_num_drafts") is not None:
+        rows.append(("speculative decoding: acceptance rate, mean acceptance length",
+                     f"{_num(100 * (run['spec_acceptance_rate'] or 0), 1)}%, "
+                     f"{_num(run['spec_mean_acceptance_length'], 2)} ({run['spec_num_draft_tokens']} draft tokens)"))
     if run.get("connection_retries"):
         rows.append(("resent after the server closed a kept-alive connection", str(run["connection_retries"])))
     if run["cancelled"] or run["not_sent"]:

@@ -87,6 +87,10 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True, gc=False):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     first_scheduled_time: float | None = None
     num_preemptions: int = 0
+    # the request's speculation so far: verifications with drafts, draft tokens, accepted drafts
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class SchedulerLoad(msgspec.Struct, frozen=True):

@@ -7,7 +7,7 @@ import hashlib
 from array import array
 from concurrent.futures import Future
 
-from tokenmill.core.messages import CoreSamplingParams, EngineCoreRequest, SchedulerLoad
+from tokenmill.core.messages import CoreSamplingParams, EngineCoreRequest, SchedulerLoad, SpecDecodingStats
 
 
 class RequestStatus(enum.IntEnum):
@@ -57,6 +57,7 @@ class Request:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = -1  # prefix-cache hit at first admission (-1: not admitted yet)
         self.num_preemptions = 0
+        self.spec = SpecDecodingStats()  # this request's verifications (drafts and how many stood)
         self.admit_seq = -1  # the scheduler's count of first admissions when this one was admitted
         self.block_hashes: list[bytes] = []
         self.first_scheduled_time: float | None = None

@@ -263,6 +263,7 @@ class Scheduler:
                 num_accepted = len(sampled) - 1
                 req.num_computed_tokens -= len(drafts) - num_accepted
                 self.spec.record(len(drafts), num_accepted)
+                req.spec.record(len(drafts), num_accepted)
             req.spec_token_ids = result.spec_token_ids.get(rid, [])
             prompt_lp = result.prompt_logprobs.get(rid)
             if not sampled and prompt_lp is None:
@@ -285,7 +286,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 rid, list(sampled), logprobs[:len(sampled)] if logprobs is not None else None, prompt_lp,
                 req.status.finish_reason, req.stop_reason, max(req.num_cached_tokens, 0),
-                req.first_scheduled_time, req.num_preemptions))
+                req.first_scheduled_time, req.num_preemptions, req.spec.num_drafts, req.spec.num_draft_tokens,
+                req.spec.num_accepted_tokens))
         return outputs
 
     def stats(self) -> SchedulerStats:

@@ -22,6 +22,7 @@ class _Child:
         self.stop_reason = None
         self.sent_tokens = 0
         self.changed = False
+        self.spec = (0, 0, 0)  # its core request's drafts, draft tokens and accepted tokens so far
 
 
 class _RequestState:
@@ -120,6 +121,10 @@ class OutputProcessor:
             m.first_scheduled_time = o.first_scheduled_time
         m.num_cached_tokens = max(m.num_cached_tokens, o.num_cached_tokens)
         m.num_preemptions = max(m.num_preemptions, o.num_preemptions)
+        if o.num_drafts:
+            child.spec = (o.num_drafts, o.num_draft_tokens, o.num_accepted_tokens)
+            m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens = map(
+                sum, zip(*(c.spec for c in state.children.values())))
         if o.prompt_logprobs and state.prompt_logprobs is not None:
             self._add_prompt_logprobs(state, o.prompt_logprobs)
         stop = None

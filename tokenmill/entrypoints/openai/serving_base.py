@@ -38,10 +38,22 @@ _tokenizer_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenmil
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # speculative decoding of the request's sequences, summed: verifications with drafts, draft
+    # tokens, accepted ones. Reported as usage.spec_decode (tokenmill's; only when something was drafted).
+    spec: tuple[int, int, int] = (0, 0, 0)
+
+    def add_spec(self, metrics) -> None:
+        """A finished request's counts (its RequestMetrics)."""
+        if metrics is not None and metrics.num_drafts:
+            self.spec = tuple(a + b for a, b in zip(self.spec, (metrics.num_drafts, metrics.num_draft_tokens,
+                                                                metrics.num_accepted_tokens)))
 
     def to_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.spec[0]:
+            out["spec_decode"] = dict(zip(("num_drafts", "num_draft_tokens", "num_accepted_tokens"), self.spec))
+        return out
 
 
 class ServingBase:

@@ -75,6 +75,7 @@ class ChatServing(ServingBase):
         async for _, item in streams:
             out = item
         usage = Usage(len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs))
+        usage.add_spec(out.metrics)
         choices = []
         for o in out.outputs:
             message: dict = {"role": "assistant", "content": o.text}
@@ -110,6 +111,8 @@ class ChatServing(ServingBase):
             async for _, out in streams:
                 first_token = first_token or time.monotonic()
                 usage.prompt_tokens = len(out.prompt_token_ids)
+                if out.finished:
+                    usage.add_spec(out.metrics)
                 for o in out.outputs:
                     if o.index not in started:
                         started.add(o.index)

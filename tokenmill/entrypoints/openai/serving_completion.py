@@ -46,6 +46,7 @@ class CompletionServing(ServingBase):
         usage, choices = Usage(), []
         for i, out in enumerate(results):
             usage.prompt_tokens += len(out.prompt_token_ids)
+            usage.add_spec(out.metrics)
             for o in out.outputs:
                 choice, n_tokens = self._choice(req, out, o, echo_only, i)
                 choices.append(choice)
@@ -82,6 +83,8 @@ class CompletionServing(ServingBase):
         try:
             async for i, out in streams:
                 first_token = first_token or time.monotonic()
+                if out.finished:
+                    usage.add_spec(out.metrics)
                 for o in out.outputs:
                     idx = i * req.n + o.index
                     text, tokens = ("", []) if echo_only else (o.text, o.token_ids)
