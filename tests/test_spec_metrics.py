@@ -1,5 +1,6 @@
-"""Speculation per request: each RequestOutput's metrics, the server's usage.spec_decode and
-`tokenmill bench serve`'s acceptance figures add up to the engine's own counters (/metrics)."""
+"""Speculation per request: each RequestOutput's metrics, the server's usage.spec_decode, the
+dashboard's request records and `tokenmill bench serve`'s acceptance figures add up to the engine's
+own counters (/metrics)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,9 @@ def test_usage_reports_the_requests_speculation(server):
     after = _spec_counters(server)
     for i, c in enumerate(COUNTS):
         assert sum(s[c] for s in seen) == after[i] - before[i], c
+    # the dashboard's records of recent requests carry the same counts
+    recent = httpx.get(server.url + "/dashboard/api/state", timeout=10).json()["recent_requests"][-3:]
+    assert [r["spec_decode"]["num_drafts"] for r in recent] == [seen[0]["num_drafts"], seen[1]["num_drafts"], 0]
 
 
 def test_bench_serve_reports_acceptance_from_the_server(server, tmp_path):

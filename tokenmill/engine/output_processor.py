@@ -232,4 +232,5 @@ class OutputProcessor:
             num_generation_tokens=sum(len(c.token_ids) for c in state.children.values()),
             num_cached_tokens=m.num_cached_tokens,
             ttft=m.ttft,
+            spec=(m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens),
         )

@@ -20,6 +20,7 @@ class FinishedRequestStats:
     num_generation_tokens: int
     num_cached_tokens: int
     ttft: float | None
+    spec: tuple[int, int, int] = (0, 0, 0)  # verifications with drafts, draft tokens, accepted draft tokens
 
 
 @dataclass

@@ -64,7 +64,8 @@ class DashboardRecorder(StatLogger):
                     self.tpot.append((now, (f.e2e_latency - f.ttft) / (f.num_generation_tokens - 1)))
                 self.requests.append({"end": now, "e2e": f.e2e_latency, "queue": f.queue_time, "ttft": f.ttft,
                                       "prompt_tokens": f.num_prompt_tokens, "cached_tokens": f.num_cached_tokens,
-                                      "output_tokens": f.num_generation_tokens, "finish": f.finish_reasons})
+                                      "output_tokens": f.num_generation_tokens, "finish": f.finish_reasons,
+                                      "spec": f.spec})
             if it.num_prompt_tokens or it.num_generation_tokens or finished:
                 self.tokens.append((now, it.num_prompt_tokens, it.num_generation_tokens, finished))
             self.totals["prompt_tokens"] += it.num_prompt_tokens
@@ -117,7 +118,9 @@ def _timeline_entry(r: dict, now: float) -> dict:
     first = arrival - (r["ttft"] if r["ttft"] is not None else r["e2e"])
     return {"arrival_ago": arrival, "scheduled_ago": arrival - (r["queue"] or 0.0), "first_token_ago": first,
             "end_ago": now - r["end"], "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"],
-            "output_tokens": r["output_tokens"], "finish": r["finish"]}
+            "output_tokens": r["output_tokens"], "finish": r["finish"],
+            # speculative decoding: verifications with drafts, draft tokens, accepted ones
+            "spec_decode": dict(zip(("num_drafts", "num_draft_tokens", "num_accepted_tokens"), r["spec"]))}
 
 
 def register_dashboard(app: FastAPI, state) -> DashboardRecorder:
