@@ -20,6 +20,7 @@ import aiohttp
 
 from tokenmill.bench.datasets import BenchRequest
 from tokenmill.bench.serve_metrics import RequestRecord
+from tokenmill.core.messages import SPEC_COUNTS
 
 
 class _Attempt:
@@ -159,8 +160,7 @@ class StreamingClient:
             rec.output_tokens = usage.get("completion_tokens")
             rec.usage_reported = True
             if isinstance(spec := usage.get("spec_decode"), dict):  # tokenmill's, with speculation
-                rec.spec = tuple(int(spec.get(k) or 0) for k in ("num_drafts", "num_draft_tokens",
-                                                                  "num_accepted_tokens"))
+                rec.spec = tuple(int(spec.get(k) or 0) for k in SPEC_COUNTS)
         return False
 
 

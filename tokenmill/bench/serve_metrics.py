@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenmill.core.messages import SpecDecodingStats
+
 SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
 PERCENTILES = (("median", 50), ("p90", 90), ("p99", 99))
 
@@ -122,13 +124,11 @@ def stats_ms(values_s: list[float]) -> dict[str, float | None]:
 def spec_fields(records: list[RequestRecord]) -> dict:
     """Acceptance rate (accepted / draft tokens) and mean acceptance length (1 + accepted / verifications,
     vLLM's definitions) over the records whose server reported speculation; {} when none did."""
+
     reported = [r.spec for r in records if r.spec is not None]
     if not reported:
         return {}
-    drafts, draft_tokens, accepted = (sum(c) for c in zip(*reported))
-    return {"spec_num_drafts": drafts, "spec_num_draft_tokens": draft_tokens, "spec_num_accepted_tokens": accepted,
-            "spec_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
-            "spec_mean_acceptance_length": 1 + accepted / drafts if drafts else None}
+    return SpecDecodingStats(*(sum(c) for c in zip(*reported))).summary()
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None) -> dict:

@@ -6,6 +6,7 @@ import json
 import time
 
 from tokenmill.bench.datasets import BenchRequest, from_jsonl, synthetic
+from tokenmill.core.messages import SPEC_COUNTS, SpecDecodingStats
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -32,12 +33,8 @@ def _spec_delta(before, after) -> dict:
     """Speculative decoding over one run: acceptance rate and mean accepted length."""
     if after is None:
         return {}
-    drafts = after.num_drafts - (before.num_drafts if before else 0)
-    draft_tokens = after.num_draft_tokens - (before.num_draft_tokens if before else 0)
-    accepted = after.num_accepted_tokens - (before.num_accepted_tokens if before else 0)
-    return {"spec_num_drafts": drafts, "spec_num_draft_tokens": draft_tokens, "spec_num_accepted_tokens": accepted,
-            "spec_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-            "spec_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
+    counts = (getattr(after, c) - (getattr(before, c) if before else 0) for c in SPEC_COUNTS)
+    return SpecDecodingStats(*counts).summary()
 
 
 def load_workload(tokenizer, args) -> list[BenchRequest]:

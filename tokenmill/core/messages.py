@@ -104,6 +104,9 @@ class SchedulerLoad(msgspec.Struct, frozen=True):
     waiting_prompt_tokens: int = 0  # tokens the waiting requests must (re)compute
     waiting_decode_tokens: int = 0  # output tokens the waiting requests may still produce
 
+SPEC_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # speculation, as reported
+
+
 class SpecDecodingStats(msgspec.Struct):
     """Speculative decoding, cumulative (vLLM's spec_decode_* counters)."""
 
@@ -134,6 +137,12 @@ class SpecDecodingStats(msgspec.Struct):
     def mean_acceptance_length(self) -> float:
         """Tokens per verification step: 1 (the target's own) + accepted drafts."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def summary(self) -> dict:
+        """The counts and both figures, as the bench commands report them (spec_*)."""
+        out = {f"spec_{name}": getattr(self, name) for name in SPEC_COUNTS}
+        return {**out, "spec_acceptance_rate": self.acceptance_rate,
+                "spec_mean_acceptance_length": self.mean_acceptance_length}
 
 
 class SchedulerStats(msgspec.Struct):

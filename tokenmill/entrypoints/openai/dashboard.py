@@ -21,7 +21,7 @@ import numpy as np
 from fastapi import FastAPI
 from fastapi.responses import FileResponse, JSONResponse, Response
 
-from tokenmill.core.messages import SchedulerStats
+from tokenmill.core.messages import SPEC_COUNTS, SchedulerStats
 from tokenmill.engine.stats import IterationStats, StatLogger
 
 STATIC = Path(__file__).resolve().parent / "dashboard_static"
@@ -120,7 +120,7 @@ def _timeline_entry(r: dict, now: float) -> dict:
             "end_ago": now - r["end"], "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"],
             "output_tokens": r["output_tokens"], "finish": r["finish"],
             # speculative decoding: verifications with drafts, draft tokens, accepted ones
-            "spec_decode": dict(zip(("num_drafts", "num_draft_tokens", "num_accepted_tokens"), r["spec"]))}
+            "spec_decode": dict(zip(SPEC_COUNTS, r["spec"]))}
 
 
 def register_dashboard(app: FastAPI, state) -> DashboardRecorder:

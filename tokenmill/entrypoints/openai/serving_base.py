@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tokenmill.config import ServerConfig
+from tokenmill.core.messages import SPEC_COUNTS
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.entrypoints.openai import wire
 from tokenmill.entrypoints.openai.http_errors import clip, error_body
@@ -52,7 +53,7 @@ class Usage:
         out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                "total_tokens": self.prompt_tokens + self.completion_tokens}
         if self.spec[0]:
-            out["spec_decode"] = dict(zip(("num_drafts", "num_draft_tokens", "num_accepted_tokens"), self.spec))
+            out["spec_decode"] = dict(zip(SPEC_COUNTS, self.spec))
         return out
 
 
