@@ -107,6 +107,11 @@ class SchedulerLoad(msgspec.Struct, frozen=True):
 SPEC_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")  # speculation, as reported
 
 
+def spec_counts(obj) -> tuple[int, int, int]:
+    """The SPEC_COUNTS of anything that carries them (an output, metrics, a stats record)."""
+    return tuple(getattr(obj, name) for name in SPEC_COUNTS)
+
+
 class SpecDecodingStats(msgspec.Struct):
     """Speculative decoding, cumulative (vLLM's spec_decode_* counters)."""
 

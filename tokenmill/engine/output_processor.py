@@ -3,7 +3,7 @@ logprobs, n > 1 fan-in, per-request timings, and the step's statistics."""
 
 from __future__ import annotations
 
-from tokenmill.core.messages import EngineCoreOutput, PromptLogprobs, TokenLogprobs
+from tokenmill.core.messages import SPEC_COUNTS, EngineCoreOutput, PromptLogprobs, TokenLogprobs, spec_counts
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.processor import ProcessedRequest
 from tokenmill.engine.stats import FinishedRequestStats, IterationStats
@@ -122,9 +122,9 @@ class OutputProcessor:
         m.num_cached_tokens = max(m.num_cached_tokens, o.num_cached_tokens)
         m.num_preemptions = max(m.num_preemptions, o.num_preemptions)
         if o.num_drafts:
-            child.spec = (o.num_drafts, o.num_draft_tokens, o.num_accepted_tokens)
-            m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens = map(
-                sum, zip(*(c.spec for c in state.children.values())))
+            child.spec = spec_counts(o)
+            for name, total in zip(SPEC_COUNTS, map(sum, zip(*(c.spec for c in state.children.values())))):
+                setattr(m, name, total)
         if o.prompt_logprobs and state.prompt_logprobs is not None:
             self._add_prompt_logprobs(state, o.prompt_logprobs)
         stop = None
@@ -232,5 +232,5 @@ class OutputProcessor:
             num_generation_tokens=sum(len(c.token_ids) for c in state.children.values()),
             num_cached_tokens=m.num_cached_tokens,
             ttft=m.ttft,
-            spec=(m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens),
+            spec=spec_counts(m),
         )

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tokenmill.config import ServerConfig
-from tokenmill.core.messages import SPEC_COUNTS
+from tokenmill.core.messages import SPEC_COUNTS, spec_counts
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.entrypoints.openai import wire
 from tokenmill.entrypoints.openai.http_errors import clip, error_body
@@ -46,8 +46,7 @@ class Usage:
     def add_spec(self, metrics) -> None:
         """A finished request's counts (its RequestMetrics)."""
         if metrics is not None and metrics.num_drafts:
-            self.spec = tuple(a + b for a, b in zip(self.spec, (metrics.num_drafts, metrics.num_draft_tokens,
-                                                                metrics.num_accepted_tokens)))
+            self.spec = tuple(a + b for a, b in zip(self.spec, spec_counts(metrics)))
 
     def to_dict(self) -> dict:
         out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
