@@ -249,6 +249,32 @@ def test_many_rows_in_blocks_match_one_row_at_a_time(variant, name, bits):
         assert torch.equal(out[i:i + 1], single), f"row {i}"
 
 
+# Where each format's codes lie in a block (GGUF's layouts): all set, every code is its format's largest.
+_CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24), "Q4_K": (16, 144),
+               "Q5_K": (16, 176), "Q6_K": (0, 192)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", list(_CODE_BYTES))
+@pytest.mark.parametrize("bits", [8, 16])
+def test_largest_codes_against_largest_activations(variant, name, bits):
+    """The AVX2 kernel adds several pairs of code products in 16 bits before widening them (8 for
+    4-bit codes, 4 for 5-bit, 2 for 6-bit): with every weight code at its largest and every
+    activation code at +-127 those sums are at their largest, and still exact."""
+    rows, k = 16, 512
+    w = random_blocks(name, rows, k, np.random.default_rng(13))
+    f = FORMATS[name]
+    lo, hi = _CODE_BYTES[name]
+    w.reshape(rows, -1, f.bytes)[:, :, lo:hi] = 0xFF
+    x = torch.ones(2, k)
+    x[1] = -1.0
+    out = torch.empty(2, rows)
+    quant_ops(variant).qlinear(out, x, [_packed(variant, name, w)], [f.id], [rows], None, 0, bits)
+    deq = _reference_dequant(name, w, rows, k).double()
+    ref = x.double() @ deq.T
+    assert ((out.double() - ref).abs() / (x.double().abs() @ deq.abs().T + 1e-30)).max() < 1e-5
+
+
 # Every variant and format through 1-17 rows, both codes: a digest of the results (run in a child).
 _DIGEST = """
 import hashlib, numpy as np, torch

@@ -2,7 +2,8 @@
 // from the block-paged cache (no gather copy). The G query heads of a kv head share every K/V
 // load. Two passes over the keys (scores, then exp with a vectorized exp) and one over the values.
 // The generic path below: one task per (sequence, kv head) on torch's intra-op thread pool. The
-// AVX-512 bf16 path (paged_attention_avx512.h) also splits each sequence's keys into chunks.
+// AVX-512 bf16 path (paged_attention_avx512.h) also splits each sequence's keys into chunks, and
+// so does the fp32 one with AVX2 (paged_attention_avx2.h).
 // A speculative verification (1 + k tokens of one sequence) arrives as consecutive rows over the
 // same block table with lengths L, L + 1, ...: the bf16 path runs such a run of rows in the same
 // tasks, which load each K/V row once for all of them. Each row's arithmetic (its dot products, softmax
@@ -130,6 +131,10 @@ void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache, co
 #include "paged_attention_tasks.h"
 #define TM_HAVE_AVX512_BF16_PATH 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include "paged_attention_avx2.h"
+#define TM_HAVE_AVX2_FP32_PATH 1
+#endif
 
 namespace tm_paged {
 
@@ -212,7 +217,15 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                         static_cast<float>(scale));
   };
   switch (q.scalar_type()) {
-    case at::kFloat: run(float{}); break;
+    case at::kFloat:
+#ifdef TM_HAVE_AVX2_FP32_PATH
+      decode_attention_avx2(out.data_ptr<float>(), q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                            v_cache.data_ptr<float>(), bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H, Hkv, D, BS,
+                            bt.size(1), static_cast<float>(scale));
+#else
+      run(float{});
+#endif
+      break;
     case at::kBFloat16:
 #ifdef TM_HAVE_AVX512_BF16_PATH
       if (D == 64 || D == 128) {

@@ -30,25 +30,41 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
     __m256i u[8];
     decode_ymm<kBits<QT>>(body, u);
     for (int m = 0; m < MR; ++m) {
+      // Unsigned codes of b bits against int8 codes: a maddubs pair is at most 2 * (2^b - 1) * 128,
+      // so 8 (4 bits), 4 (5) or 2 (6) of them add up in int16 exactly before one madd widens them.
       auto dots = [&](const int8_t* xq, __m256i& oa, __m256i& ob) {
-      auto dp = [&](int j) {
+      auto mb = [&](int j) {
         int32_t xg;
         std::memcpy(&xg, xq + 4 * j, 4);
         const __m256i x = _mm256_set1_epi32(xg);
-        if constexpr (kSigned) {
-          return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(u[j], u[j]), _mm256_sign_epi8(x, u[j])),
-                                   _mm256_set1_epi16(1));
-        } else {
-          return _mm256_madd_epi16(_mm256_maddubs_epi16(u[j], x), _mm256_set1_epi16(1));
-        }
+        if constexpr (kSigned) return _mm256_maddubs_epi16(_mm256_sign_epi8(u[j], u[j]), _mm256_sign_epi8(x, u[j]));
+        else return _mm256_maddubs_epi16(u[j], x);
       };
-      const __m256i lo = _mm256_add_epi32(_mm256_add_epi32(dp(0), dp(1)), _mm256_add_epi32(dp(2), dp(3)));
-      const __m256i hi = _mm256_add_epi32(_mm256_add_epi32(dp(4), dp(5)), _mm256_add_epi32(dp(6), dp(7)));
+      const __m256i ones = _mm256_set1_epi16(1);
+      auto wide = [&](__m256i v) { return _mm256_madd_epi16(v, ones); };
+      auto add16 = [](__m256i a, __m256i b) { return _mm256_add_epi16(a, b); };
+      auto add32 = [](__m256i a, __m256i b) { return _mm256_add_epi32(a, b); };
+      __m256i lo, hi;
+      if constexpr (kBits<QT> == 4) {
+        lo = add16(add16(mb(0), mb(1)), add16(mb(2), mb(3)));
+        hi = add16(add16(mb(4), mb(5)), add16(mb(6), mb(7)));
+      } else if constexpr (kBits<QT> == 5) {
+        lo = wide(add16(add16(mb(0), mb(1)), add16(mb(2), mb(3))));
+        hi = wide(add16(add16(mb(4), mb(5)), add16(mb(6), mb(7))));
+      } else if constexpr (kBits<QT> == 6) {
+        lo = add32(wide(add16(mb(0), mb(1))), wide(add16(mb(2), mb(3))));
+        hi = add32(wide(add16(mb(4), mb(5))), wide(add16(mb(6), mb(7))));
+      } else {
+        lo = add32(add32(wide(mb(0)), wide(mb(1))), add32(wide(mb(2)), wide(mb(3))));
+        hi = add32(add32(wide(mb(4)), wide(mb(5))), add32(wide(mb(6)), wide(mb(7))));
+      }
       if constexpr (kTwo) {
         oa = lo;
         ob = hi;
+      } else if constexpr (kBits<QT> == 4) {
+        oa = wide(add16(lo, hi));
       } else {
-        oa = _mm256_add_epi32(lo, hi);
+        oa = add32(lo, hi);
       }
       };
       dots(a[m].q + c * 32, ra[m], rb[m]);

@@ -1,0 +1,122 @@
+// The fp32 path of paged decode attention with AVX2 + FMA (included by paged_attention.cpp): the
+// attention of a CPU without AVX512-BF16, whose engine runs in fp32. Against the portable kernel:
+// - each row's keys are split into 64-key chunks (flash-decoding), so that one stream keeps both
+//   threads busy whatever its number of kv heads (SmolLM2's 3 left one thread idle a third of the time);
+// - eight keys' dot products are summed across lanes together (one transpose of hadds), not one
+//   horizontal sum per score;
+// - the weighted values of 32 dimensions stay in registers over a chunk's keys.
+// The chunks depend only on a row's length, so a row's result does not depend on the batch.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace tm_paged {
+
+constexpr int64_t kAvx2Chunk = 64;
+
+// lane t of the result: the sum of the lanes of v[t]
+inline __m256 lane_sums8(const __m256 v[8]) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // ab: rows 0-3's sums of lanes 0-3, then of lanes 4-7; cd: the same for rows 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// One (row, kv head, chunk of keys): the G query heads' scores of the chunk's n keys, their maximum
+// and softmax numerators' sum, and the numerators' weighted values. part: G maxima, G sums, G x D.
+inline void chunk_attention_avx2(const float* q, const float* k_cache, const float* v_cache, const int64_t* off,
+                                 int64_t n, int64_t G, int64_t D, float* scores, float* part) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* qg = q + g * D;
+    float* s = scores + g * kAvx2Chunk;
+    for (int64_t i = 0; i < n; i += 8) {
+      const float* k[8];
+      for (int j = 0; j < 8; ++j) k[j] = k_cache + off[std::min(i + j, n - 1)];  // a short tail repeats its last key
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(qg + d);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), acc[j]);
+      }
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, lane_sums8(acc));
+      std::copy(sums, sums + std::min<int64_t>(8, n - i), s + i);
+    }
+    float m;
+    part[G + g] = softmax_partial(s, n, m);
+    part[g] = m;
+    float* a = part + 2 * G + g * D;
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 p = _mm256_set1_ps(s[i]);
+        const float* v = v_cache + off[i] + d0;
+        a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+        a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+        a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+        a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+      }
+      _mm256_storeu_ps(a + d0, a0);
+      _mm256_storeu_ps(a + d0 + 8, a1);
+      _mm256_storeu_ps(a + d0 + 16, a2);
+      _mm256_storeu_ps(a + d0 + 24, a3);
+    }
+  }
+}
+
+// fp32 queries, cache and output; head_dim a multiple of 32. Same arguments as decode_attention.
+inline void decode_attention_avx2(float* out, const float* q, const float* k_cache, const float* v_cache,
+                                  const int64_t* block_tables, const int64_t* seq_lens, int64_t B, int64_t H,
+                                  int64_t Hkv, int64_t D, int64_t BS, int64_t max_blocks, float scale) {
+  const int64_t G = H / Hkv, row = Hkv * D, part_size = G * (D + 2);
+  std::vector<int64_t> first(B + 1, 0);  // the first chunk of each row
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (std::max<int64_t>(seq_lens[b], 0) + kAvx2Chunk - 1) / kAvx2Chunk;
+  std::vector<float> parts(first[B] * Hkv * part_size);
+  at::parallel_for(0, first[B] * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), scores(G * kAvx2Chunk);
+    int64_t off[kAvx2Chunk];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = task / Hkv, h = task % Hkv;
+      const int64_t b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
+      const int64_t t0 = (c - first[b]) * kAvx2Chunk, n = std::min(kAvx2Chunk, seq_lens[b] - t0);
+      const int64_t* table = block_tables + b * max_blocks;
+      for (int64_t i = 0; i < n; ++i) off[i] = (table[(t0 + i) / BS] * BS + (t0 + i) % BS) * row + h * D;
+      const float* qh = q + (b * H + h * G) * D;
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = qh[i] * scale;
+      chunk_attention_avx2(qf.data(), k_cache, v_cache, off, n, G, D, scores.data(), parts.data() + task * part_size);
+    }
+  });
+  // each (row, kv head): its chunks rescaled to their common maximum, in chunk order
+  at::parallel_for(0, B * Hkv, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> w;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, h = task % Hkv, nc = first[b + 1] - first[b];
+      w.resize(nc);
+      for (int64_t g = 0; g < G; ++g) {
+        float m = -INFINITY, total = 0.f;
+        for (int64_t c = 0; c < nc; ++c) m = std::max(m, parts[((first[b] + c) * Hkv + h) * part_size + g]);
+        for (int64_t c = 0; c < nc; ++c) {
+          const float* p = parts.data() + ((first[b] + c) * Hkv + h) * part_size;
+          w[c] = std::exp(p[g] - m);
+          total += w[c] * p[G + g];
+        }
+        float* o = out + (b * H + h * G + g) * D;
+        const float inv = total > 0.f ? 1.f / total : 0.f;
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t c = 0; c < nc; ++c) {
+            const float* a = parts.data() + ((first[b] + c) * Hkv + h) * part_size + 2 * G + g * D;
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(w[c]), _mm256_loadu_ps(a + d0), acc);
+          }
+          _mm256_storeu_ps(o + d0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace tm_paged
