@@ -48,10 +48,13 @@ DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", 
 # are packed-faster at 512 rows (1.06-1.07x) and tie at 1024.
 # An AMD EPYC Zen 4 (family 25; 2026-11-27), whose 512-bit operations take two cycles: packed is
 # 1.05-1.6x dequant+GEMM for Q4_K, Q4_1 and Q5_0 at 512-2048 rows, and for Q6_K at 512 (1.13x) and 1024
-# (1.02x); at 2048 Q6_K went either way (1.02x, 0.77x). Keys with a family come first.
+# (1.02x); at 2048 Q6_K went either way (1.02x, 0.77x). An AMD EPYC with AVX2 only (a Zen 4 VM without
+# AVX-512; 2026-11-28, fp32): packed is 1.1-2.0x dequant+GEMM at 128-2048 rows for Q4_1, Q4_K, Q5_0
+# and Q6_K, but for the 0.5B's Q6_K down at 2048 (0.90x). Keys with a family come first.
 DENSE_MIN_ROWS_8BIT_BY_VENDOR: dict[tuple[str, ...], dict[str, int]] = {
     ("AuthenticAMD", "avx512_bf16", "25"): {"Q6_K": 2048},
-    ("AuthenticAMD", "avx512_bf16"): {"Q5_0": 1024, "Q5_1": 1024, "Q6_K": 512}}
+    ("AuthenticAMD", "avx512_bf16"): {"Q5_0": 1024, "Q5_1": 1024, "Q6_K": 512},
+    ("AuthenticAMD", "avx2"): {"Q6_K": 2048}}
 
 
 def default_dense_min_rows(act_bits: int | str = 16, qtype: int | None = None) -> int:
