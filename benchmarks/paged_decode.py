@@ -5,7 +5,7 @@ model's layers), so that a call does not find an earlier call's KV in the L3 and
 DRAM. Prints the median time per call, the KV bytes it read per second and its multiply-adds
 (scores and weighted values) per second.
 
-    python benchmarks/paged_decode.py [--shapes "64x9/3x64@512,16x12/2x128@2048"] [--reps 7]
+    python benchmarks/paged_decode.py [--shapes "64x9/3x64@512,16x12/2x128@2048"] [--reps 7] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -39,24 +39,27 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--reps", type=int, default=7, help="timed passes of 20 calls; the median is reported")
     ap.add_argument("--min-kv-mib", type=int, default=64, help="KV of all pools together (above the L3)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="queries and cache (float32: what a CPU without AVX512-BF16 runs)")
     args = ap.parse_args()
     configure_cpu(None)
     if not load_cpu_kernels():
         raise SystemExit("the CPU kernels could not be built")
     torch.manual_seed(0)
-    print(f"{describe()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
+    dtype = getattr(torch, args.dtype)
+    print(f"{describe()}, {torch.get_num_threads()} threads, {args.dtype}, load {os.getloadavg()[0]:.2f}")
     print("| B x H/Hkv x D @ ctx | us per call | KV GB/s | G multiply-adds/s |")
     print("|---|---|---|---|")
     block = 16
     for shape in args.shapes.split(","):
         B, H, Hkv, D, ctx = parse(shape)
         nb = -(-ctx // block)
-        pool_bytes = 2 * (B * nb + 1) * block * Hkv * D * 2
-        pools = [(torch.randn(B * nb + 1, block, Hkv, D).bfloat16(), torch.randn(B * nb + 1, block, Hkv, D).bfloat16())
+        pool_bytes = 2 * (B * nb + 1) * block * Hkv * D * dtype.itemsize
+        pools = [(torch.randn(B * nb + 1, block, Hkv, D).to(dtype), torch.randn(B * nb + 1, block, Hkv, D).to(dtype))
                  for _ in range(max(2, -(-args.min_kv_mib * 2**20 // pool_bytes)))]
         tables = torch.randperm(B * nb).view(B, nb)
         lens = torch.full((B,), ctx, dtype=torch.long)
-        q = torch.randn(B, H, D).bfloat16()
+        q = torch.randn(B, H, D).to(dtype)
         out = torch.empty_like(q)
         times = []
         for _ in range(args.reps):
@@ -66,7 +69,7 @@ def main() -> None:
                 torch.ops.tokenmill.paged_decode_attention(out, q, k, v, tables, lens, D ** -0.5)
             times.append((time.perf_counter() - t0) / 20)
         t = statistics.median(times)
-        kv_bytes, macs = 2 * B * ctx * Hkv * D * 2, 2 * B * H * ctx * D
+        kv_bytes, macs = 2 * B * ctx * Hkv * D * dtype.itemsize, 2 * B * H * ctx * D
         print(f"| {shape} | {t * 1e6:.0f} | {kv_bytes / t / 1e9:.1f} | {macs / t / 1e9:.0f} |", flush=True)
 
 
