@@ -74,8 +74,10 @@ inline void decode_attention_avx2(float* out, const float* q, const float* k_cac
                                   int64_t Hkv, int64_t D, int64_t BS, int64_t max_blocks, float scale) {
   const int64_t G = H / Hkv, row = Hkv * D, part_size = G * (D + 2);
   std::vector<int64_t> first(B + 1, 0);  // the first chunk of each row
-  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (std::max<int64_t>(seq_lens[b], 0) + kAvx2Chunk - 1) / kAvx2Chunk;
+  for (int64_t b = 0; b < B; ++b)
+    first[b + 1] = first[b] + (std::max<int64_t>(seq_lens[b], 0) + kAvx2Chunk - 1) / kAvx2Chunk;
   std::vector<float> parts(first[B] * Hkv * part_size);
+  auto part_of = [&](int64_t b, int64_t c, int64_t h) { return parts.data() + ((first[b] + c) * Hkv + h) * part_size; };
   at::parallel_for(0, first[B] * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores(G * kAvx2Chunk);
     int64_t off[kAvx2Chunk];
@@ -98,9 +100,9 @@ inline void decode_attention_avx2(float* out, const float* q, const float* k_cac
       w.resize(nc);
       for (int64_t g = 0; g < G; ++g) {
         float m = -INFINITY, total = 0.f;
-        for (int64_t c = 0; c < nc; ++c) m = std::max(m, parts[((first[b] + c) * Hkv + h) * part_size + g]);
+        for (int64_t c = 0; c < nc; ++c) m = std::max(m, part_of(b, c, h)[g]);
         for (int64_t c = 0; c < nc; ++c) {
-          const float* p = parts.data() + ((first[b] + c) * Hkv + h) * part_size;
+          const float* p = part_of(b, c, h);
           w[c] = std::exp(p[g] - m);
           total += w[c] * p[G + g];
         }
@@ -109,7 +111,7 @@ inline void decode_attention_avx2(float* out, const float* q, const float* k_cac
         for (int64_t d0 = 0; d0 < D; d0 += 8) {
           __m256 acc = _mm256_setzero_ps();
           for (int64_t c = 0; c < nc; ++c) {
-            const float* a = parts.data() + ((first[b] + c) * Hkv + h) * part_size + 2 * G + g * D;
+            const float* a = part_of(b, c, h) + 2 * G + g * D;
             acc = _mm256_fmadd_ps(_mm256_set1_ps(w[c]), _mm256_loadu_ps(a + d0), acc);
           }
           _mm256_storeu_ps(o + d0, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
