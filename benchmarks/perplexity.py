@@ -55,6 +55,8 @@ ROWS = {
                   dict(quantization="gguf", dtype="bfloat16", quant_act_bits=16, **DECODE_PATH)),
     "gguf-bf16-auto": ("gguf", "gguf native, bf16, --quant-act-bits auto (the default)", GGUF_REF,
                        dict(quantization="gguf", dtype="bfloat16", **DECODE_PATH)),
+    "gguf-fp32-auto": ("gguf", "gguf native, fp32, --quant-act-bits auto (the default)", GGUF_REF,
+                       dict(quantization="gguf", dtype="float32", **DECODE_PATH)),
     "gguf-act8": ("gguf", "gguf native, fp32, --quant-act-bits 8", GGUF_REF,
                   dict(quantization="gguf", dtype="float32", quant_act_bits=8, **DECODE_PATH)),
     "gguf-bf16-act8": ("gguf", "gguf native, bf16, --quant-act-bits 8", GGUF_REF,

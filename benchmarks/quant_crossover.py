@@ -25,6 +25,7 @@ from tokenmill.worker.cpu_env import configure_cpu
 SHAPES = {  # name: (format, N, K)
     "smollm2 gate_up": ("Q4_1", 3072, 576),
     "smollm2 down": ("Q4_1", 576, 1536),
+    "smollm2 head": ("Q8_0", 49152, 576),
     "qwen1.5b gate_up": ("Q4_K", 17920, 1536),
     "qwen1.5b down": ("Q6_K", 1536, 8960),
     "qwen0.5b gate_up": ("Q5_0", 9728, 896),
