@@ -45,8 +45,8 @@ def test_auto_measures_once_and_keeps_the_verdict(tmp_path, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     del llm
 
-    # a kept verdict is used as it is, without measuring again: made 8 here, the model runs 8-bit codes,
-    # exactly as when they are asked for
+    # a kept verdict is used as it is, without measuring again: made 8 for the head alone, then for every
+    # layer; with the latter the model runs 8-bit codes, exactly as when they are asked for
     key = next(iter(json.loads(cache.read_text())))
     cache.write_text(json.dumps({key: {**entry, "bits": 16, "head_bits": 8}}))
     kept = LLM(**KV)
@@ -81,4 +81,6 @@ def test_changes_are_measured_per_subset(tmp_path, monkeypatch):
     ids = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog. " * 12)
     none, alone, every = act_bits.measure_changes(model, ids, [[], [head], methods])
     assert none == 0.0 and alone != 0.0 and every not in (0.0, alone)
+    # later subsets only while asked for
+    assert act_bits.measure_changes(model, ids, [[head], methods], more=lambda changes: False) == [alone]
     assert [(m.act_bits, m.dense_min_rows) for m in methods] == before

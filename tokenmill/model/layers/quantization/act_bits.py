@@ -14,11 +14,11 @@ EPYC: 49 ms with 16-bit codes, 28 with 8, 30 for --quantization none's fp32 GEMM
 if that alone is within the limit (SmolLM2 in fp32: +0.18% against +0.89% for every layer; on the
 issue's 20k-token text +0.02%). The verdict is kept in the cache folder, keyed by the weight files'
 size and time, the dtype and the codes (`CODES`), so a model pays the measurement (two passes over
-the text, three when the head is measured alone: 1.3-4 s for SmolLM2, 6.2 s for Qwen2.5-Coder-1.5B
-on 2 cores) once. With tensor or pipeline
-parallelism no rank can run the whole model alone: 16 bits without measuring. Perplexity is the
-budget's measure; a model with near-uniform predictions (random weights) hardly moves it whatever
-its logits do, so tests of the products themselves pin the bits.
+the text, three when the head is measured alone: on a Xeon's 2 cores 1.3 s for SmolLM2 with two and
+6.2 s for Qwen2.5-Coder-1.5B; on an AVX2 EPYC's 6 s for SmolLM2 with three, 32-40 s for the 1.5B)
+once. With tensor or pipeline parallelism no rank can run the whole model alone: 16 bits without
+measuring. Perplexity is the budget's measure; a model with near-uniform predictions (random
+weights) hardly moves it whatever its logits do, so tests of the products themselves pin the bits.
 """
 
 from __future__ import annotations
@@ -83,10 +83,11 @@ def head_method(model: torch.nn.Module) -> PackedLinearMethod | None:
     return method if isinstance(method, PackedLinearMethod) else None
 
 
-def measure_changes(model: torch.nn.Module, ids: list[int], subsets: list[list[PackedLinearMethod]]) -> list[float]:
+def measure_changes(model: torch.nn.Module, ids: list[int], subsets: list[list[PackedLinearMethod]],
+                    more=lambda changes: True) -> list[float]:
     """Relative perplexity change of 8-bit codes in each subset of the packed methods (16-bit in the
-    others) against 16-bit codes everywhere; the packed kernel every time (the dense path's bf16
-    weights would add their own rounding to the reference)."""
+    others) against 16-bit codes everywhere, in order while `more(changes so far)`; the packed kernel
+    every time (the dense path's bf16 weights would add their own rounding to the reference)."""
     methods = packed_methods(model)
     saved = [(m.dense_min_rows, m.act_bits) for m in methods]
     try:
@@ -96,7 +97,12 @@ def measure_changes(model: torch.nn.Module, ids: list[int], subsets: list[list[P
             return _nll(model, ids)
 
         reference = nll([])
-        return [math.exp(nll(subset) - reference) - 1 for subset in subsets]
+        changes: list[float] = []
+        for subset in subsets:
+            if changes and not more(changes):
+                break
+            changes.append(math.exp(nll(subset) - reference) - 1)
+        return changes
     finally:
         for m, (rows, bits) in zip(methods, saved):
             m.dense_min_rows, m.act_bits = rows, bits
@@ -125,9 +131,9 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
         t0 = time.perf_counter()
         ids = calibration_ids(source, min(TOKENS, max_positions(model)))
         rest = [m for m in packed_methods(model) if m is not head]
-        # the head alone only matters when the rest stays at 16 bits, and when there is a rest
+        # the head alone: only when the rest stays at 16 bits, and when there is a rest
         subsets = [packed_methods(model)] + ([[head]] if head is not None and rest else [])
-        changes = measure_changes(model, ids, subsets)
+        changes = measure_changes(model, ids, subsets, more=lambda changes: changes[0] > MAX_CHANGE)
         bits = 8 if changes[0] <= MAX_CHANGE else 16
         head_change = changes[1] if len(changes) > 1 else changes[0]
         entry = {"change": changes[0], "bits": bits, "head_change": head_change,
@@ -139,7 +145,7 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
     set_act_bits(model, entry["bits"])
     if head is not None:
         head.set_act_bits(entry["head_bits"])
-    head_note = (f"; the LM head's {entry['head_bits']}-bit, alone {100 * entry['head_change']:+.3f}%"
+    head_note = (f"; the LM head {entry['head_bits']}-bit: 8-bit codes there alone {100 * entry['head_change']:+.3f}%"
                  if entry["bits"] == 16 and head is not None else "")
     logger.info("activation codes: %d-bit (8-bit codes measured %+.3f%% perplexity against 16-bit ones "
                 "on %d tokens of built-in text, limit %+.1f%%%s%s)", entry["bits"], 100 * entry["change"],
