@@ -36,24 +36,15 @@ def test_auto_measures_once_and_keeps_the_verdict(tmp_path, monkeypatch):
     (entry,) = json.loads(cache.read_text()).values()
     # SmolLM2 is the model where 8-bit codes cost too much (BENCHMARKS.md: +0.44% on 20k tokens)
     assert entry["bits"] == 16 and entry["change"] > act_bits.MAX_CHANGE and entry["tokens"] == act_bits.TOKENS
-    # then the LM head alone was measured, and runs the codes its own change allows
-    model = llm.engine.core.worker.model
-    head = act_bits.head_method(model)
-    assert entry["head_bits"] == (8 if entry["head_change"] <= act_bits.MAX_CHANGE else 16) == head.act_bits
-    assert {m.act_bits for m in act_bits.packed_methods(model) if m is not head} == {16}
+    assert _bits(llm) == {16}
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     del llm
 
-    # a kept verdict is used as it is, without measuring again: made 8 for the head alone, then for every
-    # layer; with the latter the model runs 8-bit codes, exactly as when they are asked for
+    # a kept verdict is used as it is, without measuring again: made 8 here, the model runs 8-bit codes,
+    # exactly as when they are asked for
     key = next(iter(json.loads(cache.read_text())))
-    cache.write_text(json.dumps({key: {**entry, "bits": 16, "head_bits": 8}}))
-    kept = LLM(**KV)
-    head = act_bits.head_method(kept.engine.core.worker.model)
-    assert head.act_bits == 8 and _bits(kept) == {8, 16}
-    del kept
-    cache.write_text(json.dumps({key: {**entry, "bits": 8, "head_bits": 8}}))
+    cache.write_text(json.dumps({key: {**entry, "bits": 8}}))
     kept = LLM(**KV)
     assert _bits(kept) == {8}
     got = [o.outputs[0].token_ids for o in kept.generate(prompts, params, use_tqdm=False)]
@@ -68,19 +59,3 @@ def test_explicit_bits_are_not_measured(tmp_path, monkeypatch):
     monkeypatch.setattr(act_bits, "VERDICTS", VerdictFile("act_bits.json", cache))
     llm = LLM(quant_act_bits=16, **KV)
     assert _bits(llm) == {16} and not cache.exists()
-
-
-def test_changes_are_measured_per_subset(tmp_path, monkeypatch):
-    """8-bit codes in no layer change nothing (the same passes twice, bit for bit); in the LM head alone
-    they change the perplexity, and otherwise than in every layer; the codes are restored after."""
-    monkeypatch.setattr(act_bits, "VERDICTS", VerdictFile("act_bits.json", tmp_path / "act_bits.json"))
-    llm = LLM(quant_act_bits=16, **KV)
-    model = llm.engine.core.worker.model
-    head, methods = act_bits.head_method(model), act_bits.packed_methods(model)
-    before = [(m.act_bits, m.dense_min_rows) for m in methods]
-    ids = llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog. " * 12)
-    none, alone, every = act_bits.measure_changes(model, ids, [[], [head], methods])
-    assert none == 0.0 and alone != 0.0 and every not in (0.0, alone)
-    # later subsets only while asked for
-    assert act_bits.measure_changes(model, ids, [[head], methods], more=lambda changes: False) == [alone]
-    assert [(m.act_bits, m.dense_min_rows) for m in methods] == before

@@ -8,17 +8,12 @@ AMX. What they cost in accuracy depends on the model: on Qwen2.5-Coder-0.5B noth
 SmolLM2-135M +0.44% perplexity, most of issue 8's 0.5% budget (BENCHMARKS.md). So the choice is
 measured: the perplexity of 512 tokens of built-in text (calibration.py) with 8-bit codes against
 16-bit ones; 8 bits when the change is within `MAX_CHANGE` (0.3%, margin under the 0.5% budget for
-another text). Else the LM head alone is measured with 8-bit codes: the largest product of a small
-model (SmolLM2: a fifth of its weights), and the one a batch's rows cost most (64 rows on an AVX2
-EPYC: 49 ms with 16-bit codes, 28 with 8, 30 for --quantization none's fp32 GEMM); it takes 8 bits
-if that alone is within the limit (SmolLM2 in fp32: +0.18% against +0.89% for every layer; on the
-issue's 20k-token text +0.02%). The verdict is kept in the cache folder, keyed by the weight files'
-size and time, the dtype and the codes (`CODES`), so a model pays the measurement (two passes over
-the text, three when the head is measured alone: on a Xeon's 2 cores 1.3 s for SmolLM2 with two and
-6.2 s for Qwen2.5-Coder-1.5B; on an AVX2 EPYC's 6 s for SmolLM2 with three, 32-40 s for the 1.5B)
-once. With tensor or pipeline parallelism no rank can run the whole model alone: 16 bits without
-measuring. Perplexity is the budget's measure; a model with near-uniform predictions (random
-weights) hardly moves it whatever its logits do, so tests of the products themselves pin the bits.
+another text), else 16. The verdict is kept in the cache folder, keyed by the weight files' size and
+time, the dtype and the codes (`CODES`), so a model pays the measurement (two passes over the text:
+1.3 s for SmolLM2, 6.2 s for Qwen2.5-Coder-1.5B on 2 cores) once. With tensor or pipeline
+parallelism no rank can run the whole model alone: 16 bits without measuring. Perplexity is the
+budget's measure; a model with near-uniform predictions (random weights) hardly moves it whatever
+its logits do, so tests of the products themselves pin the bits.
 """
 
 from __future__ import annotations
@@ -78,34 +73,21 @@ def _nll(model: torch.nn.Module, ids: list[int]) -> float:
     return total / (len(ids) - 1)
 
 
-def head_method(model: torch.nn.Module) -> PackedLinearMethod | None:
-    method = getattr(getattr(model, "lm_head", None), "method", None)
-    return method if isinstance(method, PackedLinearMethod) else None
-
-
-def measure_changes(model: torch.nn.Module, ids: list[int], subsets: list[list[PackedLinearMethod]],
-                    more=lambda changes: True) -> list[float]:
-    """Relative perplexity change of 8-bit codes in each subset of the packed methods (16-bit in the
-    others) against 16-bit codes everywhere, in order while `more(changes so far)`; the packed kernel
-    every time (the dense path's bf16 weights would add their own rounding to the reference)."""
+def measure_change(model: torch.nn.Module, ids: list[int]) -> float:
+    """Relative perplexity change of 8-bit codes against 16-bit ones (the packed kernel both times:
+    the dense path's bf16 weights would add their own rounding to the reference)."""
     methods = packed_methods(model)
     saved = [(m.dense_min_rows, m.act_bits) for m in methods]
     try:
-        def nll(eight: list[PackedLinearMethod]) -> float:
+        nll = {}
+        for bits in (16, 8):
             for m in methods:
-                m.dense_min_rows, m.act_bits = 0, 8 if m in eight else 16  # the packed kernel at every row count
-            return _nll(model, ids)
-
-        reference = nll([])
-        changes: list[float] = []
-        for subset in subsets:
-            if changes and not more(changes):
-                break
-            changes.append(math.exp(nll(subset) - reference) - 1)
-        return changes
+                m.dense_min_rows, m.act_bits = 0, bits  # the packed kernel at every row count
+            nll[bits] = _nll(model, ids)
     finally:
         for m, (rows, bits) in zip(methods, saved):
             m.dense_min_rows, m.act_bits = rows, bits
+    return math.exp(nll[8] - nll[16]) - 1
 
 
 def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibration_ids) -> int:
@@ -122,32 +104,20 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
         return 16
     key = fingerprint(Path(source.path), dtype)
     entry = VERDICTS.read().get(key)
-    head = head_method(model)
-    # else (hand-edited, older than the head's own verdict): measured
-    cached = isinstance(entry, dict) and entry.get("bits") in (8, 16) and entry.get("head_bits") in (8, 16)
+    cached = isinstance(entry, dict) and entry.get("bits") in (8, 16)  # else (hand-edited, older): measured
     if not cached:
         from tokenmill.model.layers.quantization.calibration import max_positions
 
         t0 = time.perf_counter()
         ids = calibration_ids(source, min(TOKENS, max_positions(model)))
-        rest = [m for m in packed_methods(model) if m is not head]
-        # the head alone: only when the rest stays at 16 bits, and when there is a rest
-        subsets = [packed_methods(model)] + ([[head]] if head is not None and rest else [])
-        changes = measure_changes(model, ids, subsets, more=lambda changes: changes[0] > MAX_CHANGE)
-        bits = 8 if changes[0] <= MAX_CHANGE else 16
-        head_change = changes[1] if len(changes) > 1 else changes[0]
-        entry = {"change": changes[0], "bits": bits, "head_change": head_change,
-                 "head_bits": 8 if bits == 8 or head_change <= MAX_CHANGE else 16, "tokens": len(ids),
+        change = measure_change(model, ids)
+        entry = {"change": change, "bits": 8 if change <= MAX_CHANGE else 16, "tokens": len(ids),
                  "seconds": round(time.perf_counter() - t0, 2)}
         # gone models, and older verdicts of this model and dtype: dropped
         prefix = key.split("|codes", 1)[0] + "|"
         VERDICTS.put(key, entry, keep=lambda k: Path(k.split("|", 1)[0]).exists() and not k.startswith(prefix))
     set_act_bits(model, entry["bits"])
-    if head is not None:
-        head.set_act_bits(entry["head_bits"])
-    head_note = (f"; the LM head {entry['head_bits']}-bit: 8-bit codes there alone {100 * entry['head_change']:+.3f}%"
-                 if entry["bits"] == 16 and head is not None else "")
     logger.info("activation codes: %d-bit (8-bit codes measured %+.3f%% perplexity against 16-bit ones "
-                "on %d tokens of built-in text, limit %+.1f%%%s%s)", entry["bits"], 100 * entry["change"],
-                entry["tokens"], 100 * MAX_CHANGE, head_note, "; cached" if cached else f"; {entry['seconds']}s")
+                "on %d tokens of built-in text, limit %+.1f%%%s)", entry["bits"], 100 * entry["change"],
+                entry["tokens"], 100 * MAX_CHANGE, "; cached" if cached else f"; {entry['seconds']}s")
     return entry["bits"]
