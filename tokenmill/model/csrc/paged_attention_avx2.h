@@ -26,6 +26,28 @@ inline __m256 lane_sums8(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
+// The weighted values of dimensions d0..d0+31 for GN query heads at once: each value vector is
+// loaded once for all of them, and the GN x 4 accumulators are independent FMA chains (one head's
+// 4 chains waited on the FMA latency). Each accumulator sums its keys in order, as before.
+template <int GN>
+inline void chunk_values_avx2(const float* v_cache, const int64_t* off, int64_t n, const float* scores, int64_t D,
+                              int64_t d0, float* a) {
+  __m256 acc[GN][4];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* v = v_cache + off[i] + d0;
+    __m256 p[GN];
+    for (int g = 0; g < GN; ++g) p[g] = _mm256_set1_ps(scores[g * kAvx2Chunk + i]);
+    for (int c = 0; c < 4; ++c) {  // one vector register for the values: 3 x 4 accumulators + 3 + 1 = 16
+      const __m256 vc = _mm256_loadu_ps(v + 8 * c);
+      for (int g = 0; g < GN; ++g) acc[g][c] = _mm256_fmadd_ps(p[g], vc, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(a + g * D + d0 + 8 * c, acc[g][c]);
+}
+
 // One (row, kv head, chunk of keys): the G query heads' scores of the chunk's n keys, their maximum
 // and softmax numerators' sum, and the numerators' weighted values. part: G maxima, G sums, G x D.
 inline void chunk_attention_avx2(const float* q, const float* k_cache, const float* v_cache, const int64_t* off,
@@ -49,23 +71,27 @@ inline void chunk_attention_avx2(const float* q, const float* k_cache, const flo
     float m;
     part[G + g] = softmax_partial(s, n, m);
     part[g] = m;
-    float* a = part + 2 * G + g * D;
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += 3) {
+    const int64_t gn = std::min<int64_t>(3, G - g0);
+    float* a = part + 2 * G + g0 * D;
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t i = 0; i < n; ++i) {
-        const __m256 p = _mm256_set1_ps(s[i]);
-        const float* v = v_cache + off[i] + d0;
-        a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
-        a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
-        a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
-        a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
-      }
-      _mm256_storeu_ps(a + d0, a0);
-      _mm256_storeu_ps(a + d0 + 8, a1);
-      _mm256_storeu_ps(a + d0 + 16, a2);
-      _mm256_storeu_ps(a + d0 + 24, a3);
+      if (gn == 3) chunk_values_avx2<3>(v_cache, off, n, scores + g0 * kAvx2Chunk, D, d0, a);
+      else if (gn == 2) chunk_values_avx2<2>(v_cache, off, n, scores + g0 * kAvx2Chunk, D, d0, a);
+      else chunk_values_avx2<1>(v_cache, off, n, scores + g0 * kAvx2Chunk, D, d0, a);
     }
   }
+}
+
+// The K and V rows of a chunk's keys towards L2, a task ahead of their use: the rows are scattered
+// over the pool's blocks, so the hardware prefetcher finds them late (one stream's chunk read from
+// DRAM took twice its time from cache).
+inline void prefetch_chunk_rows(const float* k_cache, const float* v_cache, const int64_t* off, int64_t n, int64_t D) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < D; d += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(k_cache + off[i] + d), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(v_cache + off[i] + d), _MM_HINT_T1);
+    }
 }
 
 // fp32 queries, cache and output; head_dim a multiple of 32. Same arguments as decode_attention.
@@ -78,15 +104,32 @@ inline void decode_attention_avx2(float* out, const float* q, const float* k_cac
     first[b + 1] = first[b] + (std::max<int64_t>(seq_lens[b], 0) + kAvx2Chunk - 1) / kAvx2Chunk;
   std::vector<float> parts(first[B] * Hkv * part_size);
   auto part_of = [&](int64_t b, int64_t c, int64_t h) { return parts.data() + ((first[b] + c) * Hkv + h) * part_size; };
+  // a task's row b and its keys' offsets in the cache; returns the number of keys
+  auto task_rows = [&](int64_t task, int64_t& b, int64_t* off) {
+    const int64_t c = task / Hkv, h = task % Hkv;
+    b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
+    const int64_t t0 = (c - first[b]) * kAvx2Chunk, n = std::min(kAvx2Chunk, seq_lens[b] - t0);
+    const int64_t* table = block_tables + b * max_blocks;
+    int64_t blk = t0 / BS, in_blk = t0 % BS;  // stepped, not divided per key (an idiv each)
+    for (int64_t i = 0; i < n; ++i) {
+      off[i] = (table[blk] * BS + in_blk) * row + h * D;
+      if (++in_blk == BS) in_blk = 0, ++blk;
+    }
+    return n;
+  };
   at::parallel_for(0, first[B] * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores(G * kAvx2Chunk);
-    int64_t off[kAvx2Chunk];
+    int64_t offs[2][kAvx2Chunk], b = 0, b_next = 0;
+    int64_t n_next = task_rows(begin, b_next, offs[begin % 2]);
+    prefetch_chunk_rows(k_cache, v_cache, offs[begin % 2], n_next, D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t c = task / Hkv, h = task % Hkv;
-      const int64_t b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
-      const int64_t t0 = (c - first[b]) * kAvx2Chunk, n = std::min(kAvx2Chunk, seq_lens[b] - t0);
-      const int64_t* table = block_tables + b * max_blocks;
-      for (int64_t i = 0; i < n; ++i) off[i] = (table[(t0 + i) / BS] * BS + (t0 + i) % BS) * row + h * D;
+      const int64_t* off = offs[task % 2];
+      const int64_t n = n_next, h = task % Hkv;
+      b = b_next;
+      if (task + 1 < end) {
+        n_next = task_rows(task + 1, b_next, offs[(task + 1) % 2]);
+        prefetch_chunk_rows(k_cache, v_cache, offs[(task + 1) % 2], n_next, D);
+      }
       const float* qh = q + (b * H + h * G) * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = qh[i] * scale;
       chunk_attention_avx2(qf.data(), k_cache, v_cache, off, n, G, D, scores.data(), parts.data() + task * part_size);

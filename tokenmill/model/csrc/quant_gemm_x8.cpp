@@ -12,79 +12,91 @@ namespace {
 
 // out[m][r] (m < MR, r < 8) = row r of a group . activation row m
 template <int QT, int MR, bool RES>
-void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a, float out[][8]) {
-  const int64_t C = K / 32;
-  const int cpb = g.qk / 32;
+void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8]) {
+  constexpr X8Geom g = x8_geom(QT);
+  constexpr int cpb = g.qk / 32;
 #if defined(__AVX2__)
+  // Blocks and chunks as nested loops over compile-time sizes (a chunk index divided by a runtime
+  // chunks-per-block cost an idiv per chunk), and the weight vectors decoded as the terms use them,
+  // so that the float accumulators stay in registers (they were spilled, and each chunk's FMA then
+  // waited on a store-to-load forward). The integer sums are the same exact ones in any order.
   constexpr bool kSigned = kSignedQ<QT>;
   constexpr bool kTwo = QT == Q6_K;
+  constexpr int kB = kBits<QT>;
+  // Unsigned codes of b bits against int8 codes: a maddubs pair is at most 2 * (2^b - 1) * 128,
+  // so 8 (4 bits), 4 (5), 2 (6) or 1 (8) of them add up in int16 exactly before one madd widens them.
+  constexpr int kRun = kB == 4 ? 8 : kB == 5 ? 4 : kB == 6 ? 2 : 1;
+  constexpr int64_t block_bytes = g.block_head + cpb * g.body;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  auto ld = [](const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
   __m256 acc[MR], aco[MR];
   for (int m = 0; m < MR; ++m) acc[m] = aco[m] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < C; ++c) {
-    const int k = static_cast<int>(c % cpb);
-    const uint8_t* h = x8_block(group, g, c / cpb);
-    const uint8_t* body = h + g.block_head + k * g.body;
-    ChunkVec v;
-    chunk_vec<QT>(group, h, k, v);
-    __m256i ra[MR], rb[MR];
-    __m256i u[8];
-    decode_ymm<kBits<QT>>(body, u);
-    for (int m = 0; m < MR; ++m) {
-      // Unsigned codes of b bits against int8 codes: a maddubs pair is at most 2 * (2^b - 1) * 128,
-      // so 8 (4 bits), 4 (5) or 2 (6) of them add up in int16 exactly before one madd widens them.
-      auto dots = [&](const int8_t* xq, __m256i& oa, __m256i& ob) {
-      auto mb = [&](int j) {
+  const int64_t nb = K / g.qk;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* h = group + g.group_head + b * block_bytes;
+    for (int k = 0; k < cpb; ++k) {
+      const int64_t c = b * cpb + k;
+      const uint8_t* body = h + g.block_head + k * g.body;
+      __m256i u8[8];  // 5 and 6 bits: all vectors decoded at once (their high-bit planes are shared)
+      if constexpr (kB == 5 || kB == 6) decode_ymm<kB>(body, u8);
+      auto u = [&](int j) {  // weights 4j..4j+3 of each row, as bytes
+        if constexpr (kB == 8) return ld(body + 32 * j);
+        else if constexpr (kB == 4) return j < 4 ? _mm256_and_si256(ld(body + 32 * j), m4)
+                                                 : _mm256_and_si256(_mm256_srli_epi16(ld(body + 32 * (j - 4)), 4), m4);
+        else return u8[j];
+      };
+      auto term = [&](const __m256i& w, const int8_t* xq) {
         int32_t xg;
-        std::memcpy(&xg, xq + 4 * j, 4);
+        std::memcpy(&xg, xq, 4);
         const __m256i x = _mm256_set1_epi32(xg);
-        if constexpr (kSigned) return _mm256_maddubs_epi16(_mm256_sign_epi8(u[j], u[j]), _mm256_sign_epi8(x, u[j]));
-        else return _mm256_maddubs_epi16(u[j], x);
+        if constexpr (kSigned) return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+        else return _mm256_maddubs_epi16(w, x);
       };
-      const __m256i ones = _mm256_set1_epi16(1);
-      auto wide = [&](__m256i v) { return _mm256_madd_epi16(v, ones); };
-      auto add16 = [](__m256i a, __m256i b) { return _mm256_add_epi16(a, b); };
-      auto add32 = [](__m256i a, __m256i b) { return _mm256_add_epi32(a, b); };
-      __m256i lo, hi;
-      if constexpr (kBits<QT> == 4) {
-        lo = add16(add16(mb(0), mb(1)), add16(mb(2), mb(3)));
-        hi = add16(add16(mb(4), mb(5)), add16(mb(6), mb(7)));
-      } else if constexpr (kBits<QT> == 5) {
-        lo = wide(add16(add16(mb(0), mb(1)), add16(mb(2), mb(3))));
-        hi = wide(add16(add16(mb(4), mb(5)), add16(mb(6), mb(7))));
-      } else if constexpr (kBits<QT> == 6) {
-        lo = add32(wide(add16(mb(0), mb(1))), wide(add16(mb(2), mb(3))));
-        hi = add32(wide(add16(mb(4), mb(5))), wide(add16(mb(6), mb(7))));
-      } else {
-        lo = add32(add32(wide(mb(0)), wide(mb(1))), add32(wide(mb(2)), wide(mb(3))));
-        hi = add32(add32(wide(mb(4)), wide(mb(5))), add32(wide(mb(6)), wide(mb(7))));
+      // ra: int32 sums of the chunk (of its first half with kTwo; rb the second), per row m
+      __m256i ra[MR], rb[MR], rr[MR], rs[MR];
+      for (int j0 = 0; j0 < 8; j0 += kRun) {
+        __m256i s16[MR], f16[MR];
+        for (int j = j0; j < j0 + kRun; ++j) {
+          const __m256i w = u(j);
+          for (int m = 0; m < MR; ++m) {
+            const __m256i t = term(w, a[m].q + c * 32 + 4 * j);
+            s16[m] = j == j0 ? t : _mm256_add_epi16(s16[m], t);
+            if constexpr (RES) {
+              const __m256i f = term(w, a[m].qr + c * 32 + 4 * j);
+              f16[m] = j == j0 ? f : _mm256_add_epi16(f16[m], f);
+            }
+          }
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m256i s32 = _mm256_madd_epi16(s16[m], ones);
+          const bool second = kTwo && j0 >= 4;
+          __m256i& dst = second ? rb[m] : ra[m];
+          dst = (j0 == 0 || (second && j0 == 4)) ? s32 : _mm256_add_epi32(dst, s32);
+          if constexpr (RES) {
+            const __m256i f32 = _mm256_madd_epi16(f16[m], ones);
+            __m256i& fd = second ? rs[m] : rr[m];
+            fd = (j0 == 0 || (second && j0 == 4)) ? f32 : _mm256_add_epi32(fd, f32);
+          }
+        }
       }
-      if constexpr (kTwo) {
-        oa = lo;
-        ob = hi;
-      } else if constexpr (kBits<QT> == 4) {
-        oa = wide(add16(lo, hi));
-      } else {
-        oa = add32(lo, hi);
-      }
-      };
-      dots(a[m].q + c * 32, ra[m], rb[m]);
-      if constexpr (RES) {
-        __m256i fa, fb;
-        dots(a[m].qr + c * 32, fa, fb);
-        ra[m] = _mm256_add_epi32(_mm256_slli_epi32(ra[m], 8), fa);
-        if constexpr (kTwo) rb[m] = _mm256_add_epi32(_mm256_slli_epi32(rb[m], 8), fb);
-      }
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m256 dx = _mm256_set1_ps(RES ? a[m].dx[c] / 256.f : a[m].dx[c]);
-      if constexpr (kTwo) {
+      ChunkVec v;
+      chunk_vec<QT>(group, h, k, v);
+      for (int m = 0; m < MR; ++m) {
+        if constexpr (RES) {
+          ra[m] = _mm256_add_epi32(_mm256_slli_epi32(ra[m], 8), rr[m]);
+          if constexpr (kTwo) rb[m] = _mm256_add_epi32(_mm256_slli_epi32(rb[m], 8), rs[m]);
+        }
+        const __m256 dx = _mm256_set1_ps(RES ? a[m].dx[c] / 256.f : a[m].dx[c]);
         acc[m] = _mm256_fmadd_ps(v.da, _mm256_mul_ps(_mm256_cvtepi32_ps(ra[m]), dx), acc[m]);
-        acc[m] = _mm256_fmadd_ps(v.db, _mm256_mul_ps(_mm256_cvtepi32_ps(rb[m]), dx), acc[m]);
-        aco[m] = _mm256_fmadd_ps(v.oa, _mm256_set1_ps(a[m].sa[c]), aco[m]);
-        aco[m] = _mm256_fmadd_ps(v.ob, _mm256_set1_ps(a[m].sb[c]), aco[m]);
-      } else {
-        acc[m] = _mm256_fmadd_ps(v.da, _mm256_mul_ps(_mm256_cvtepi32_ps(ra[m]), dx), acc[m]);
-        aco[m] = _mm256_fmadd_ps(v.oa, _mm256_set1_ps(a[m].s[c]), aco[m]);
+        if constexpr (kTwo) {
+          acc[m] = _mm256_fmadd_ps(v.db, _mm256_mul_ps(_mm256_cvtepi32_ps(rb[m]), dx), acc[m]);
+          aco[m] = _mm256_fmadd_ps(v.oa, _mm256_set1_ps(a[m].sa[c]), aco[m]);
+          aco[m] = _mm256_fmadd_ps(v.ob, _mm256_set1_ps(a[m].sb[c]), aco[m]);
+        } else {
+          aco[m] = _mm256_fmadd_ps(v.oa, _mm256_set1_ps(a[m].s[c]), aco[m]);
+        }
+        // the accumulators are loop-carried: in registers (GCC spilled them, as used once a chunk)
+        asm("" : "+x"(acc[m]), "+x"(aco[m]));
       }
     }
   }
@@ -92,7 +104,7 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
 #else
   float acc[MR][8] = {};
   uint8_t u[8][32];
-  for (int64_t c = 0; c < C; ++c) {
+  for (int64_t c = 0; c < K / 32; ++c) {
     const uint8_t* body = x8_block(group, g, c / cpb) + g.block_head + (c % cpb) * g.body;
     X8Scales s;
     x8_chunk_scales(QT, group, g, c, s);
@@ -121,16 +133,15 @@ void group_dot(const uint8_t* group, const X8Geom& g, int64_t K, const ActRow* a
 }  // namespace
 
 bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, bool fine, float out[][8]) {
-  const X8Geom g = x8_geom(qtype);
   return dispatch_qtype(qtype, [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     auto run = [&](auto res_tag) {
       constexpr bool R = decltype(res_tag)::value;
       switch (mr) {
-        case 4: group_dot<QT, 4, R>(group, g, K, a, out); break;
-        case 3: group_dot<QT, 3, R>(group, g, K, a, out); break;
-        case 2: group_dot<QT, 2, R>(group, g, K, a, out); break;
-        default: group_dot<QT, 1, R>(group, g, K, a, out); break;
+        case 4: group_dot<QT, 4, R>(group, K, a, out); break;
+        case 3: group_dot<QT, 3, R>(group, K, a, out); break;
+        case 2: group_dot<QT, 2, R>(group, K, a, out); break;
+        default: group_dot<QT, 1, R>(group, K, a, out); break;
       }
     };
     if (fine) run(std::true_type{});
