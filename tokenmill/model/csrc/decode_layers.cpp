@@ -59,15 +59,20 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == hidden.size(0),
               "decode_layers: one int64 slot per token");
   const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(qlinear_op.c_str(), "").typed<QLinearFn>();
-  auto qlinear = [&](const Packed& p, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
-    at::Tensor y = at::empty({x.size(0), p.out}, x.options());
+  auto qlinear = [&](at::Tensor& y, const Packed& p, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+    if (!y.defined() || y.size(1) != p.out) y = at::empty({x.size(0), p.out}, x.options());
     op.call(y, x, p.w, p.qtypes, p.rows, bias, p.dense_min_rows, act_bits);
-    return y;
   };
   const int64_t T_ = hidden.size(0), q_size = H * D, kv_size = Hkv * D, es = hidden.element_size();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   LayerReader rd{tensors, ints};
   at::Tensor x = hidden;
+  // One set of activations for all layers, made at the first: a dozen tensor allocations and views
+  // a layer through the dispatcher cost ~10 us of one stream's ~150 us SmolLM2 layer. The layer's
+  // output `down` is read by the next layer's first norm before its down product rewrites it.
+  at::Tensor normed = at::empty_like(x), qkv, o, gate_up, act, down, q, k;
+  at::Tensor attn = at::empty({T_, H, D}, x.options());
+  const at::Tensor attn_rows = attn.view({T_, q_size});
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor &in_norm = tensors[rd.ti], &post_norm = tensors[rd.ti + 1];
     const at::Tensor &k_cache = tensors[rd.ti + 2], &v_cache = tensors[rd.ti + 3];
@@ -79,11 +84,13 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
                     k_cache.size(2) == Hkv && k_cache.size(3) == D && k_cache.scalar_type() == x.scalar_type(),
                 "decode_layers: layer ", layer, ": qkv size or KV cache layout does not match the heads");
 
-    at::Tensor normed = at::empty_like(x);
     tm_elementwise::rms_norm(normed, x, residual, in_norm, eps);
-    at::Tensor qkv = qlinear(qkv_p, normed, qkv_bias);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({T_, H, D});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T_, Hkv, D});
+    const bool fresh_qkv = !qkv.defined();
+    qlinear(qkv, qkv_p, normed, qkv_bias);
+    if (fresh_qkv) {
+      q = qkv.narrow(1, 0, q_size).view({T_, H, D});
+      k = qkv.narrow(1, q_size, kv_size).view({T_, Hkv, D});
+    }
     tm_elementwise::rotary_embedding(q, k, cos, sin, positions);
     // this step's K/V into their slots, before attention reads them
     const int64_t slots_total = k_cache.numel() / kv_size;
@@ -96,15 +103,14 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
       std::memcpy(kc + slots[t] * kv_bytes, src + t * row_bytes + q_size * es, kv_bytes);
       std::memcpy(vc + slots[t] * kv_bytes, src + t * row_bytes + (q_size + kv_size) * es, kv_bytes);
     }
-    at::Tensor attn = at::empty({T_, H, D}, x.options());
-    tm_paged::paged_decode_attention(attn, q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale);
-    at::Tensor o = qlinear(o_p, attn.view({T_, q_size}), std::nullopt);
-    normed = at::empty_like(o);
+    tm_paged::paged_decode_attention(attn, T_ == 1 ? q : q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale);
+    qlinear(o, o_p, attn_rows, std::nullopt);
     tm_elementwise::rms_norm(normed, o, residual, post_norm, eps);
-    at::Tensor gate_up = qlinear(gu_p, normed, std::nullopt);
-    at::Tensor act = at::empty({T_, gu_p.out / 2}, x.options());
+    qlinear(gate_up, gu_p, normed, std::nullopt);
+    if (!act.defined() || act.size(1) != gu_p.out / 2) act = at::empty({T_, gu_p.out / 2}, x.options());
     tm_elementwise::silu_and_mul(act, gate_up);
-    x = qlinear(down_p, act, std::nullopt);
+    qlinear(down, down_p, act, std::nullopt);
+    x = down;
   }
   TORCH_CHECK(rd.ti == tensors.size() && rd.ii == ints.size(), "decode_layers: layer lists longer than the layers");
   return x;
