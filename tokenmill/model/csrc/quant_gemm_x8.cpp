@@ -53,7 +53,7 @@ void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8])
         else return _mm256_maddubs_epi16(w, x);
       };
       // ra: int32 sums of the chunk (of its first half with kTwo; rb the second), per row m
-      __m256i ra[MR], rb[MR], rr[MR], rs[MR];
+      __m256i ra[MR], rb[MR];
       for (int j0 = 0; j0 < 8; j0 += kRun) {
         __m256i s16[MR], f16[MR];
         for (int j = j0; j < j0 + kRun; ++j) {
@@ -68,35 +68,30 @@ void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8])
           }
         }
         for (int m = 0; m < MR; ++m) {
-          const __m256i s32 = _mm256_madd_epi16(s16[m], ones);
+          // 16-bit codes: the residual codes' sum joins at once (one int32 accumulator a row, not
+          // two: with 4 rows they had pushed the float accumulators out of the 16 registers)
+          __m256i s32 = _mm256_madd_epi16(s16[m], ones);
+          if constexpr (RES) s32 = _mm256_add_epi32(_mm256_slli_epi32(s32, 8), _mm256_madd_epi16(f16[m], ones));
           const bool second = kTwo && j0 >= 4;
           __m256i& dst = second ? rb[m] : ra[m];
           dst = (j0 == 0 || (second && j0 == 4)) ? s32 : _mm256_add_epi32(dst, s32);
-          if constexpr (RES) {
-            const __m256i f32 = _mm256_madd_epi16(f16[m], ones);
-            __m256i& fd = second ? rs[m] : rr[m];
-            fd = (j0 == 0 || (second && j0 == 4)) ? f32 : _mm256_add_epi32(fd, f32);
-          }
         }
       }
       ChunkVec v;
       chunk_vec<QT>(group, h, k, v);
       for (int m = 0; m < MR; ++m) {
-        if constexpr (RES) {
-          ra[m] = _mm256_add_epi32(_mm256_slli_epi32(ra[m], 8), rr[m]);
-          if constexpr (kTwo) rb[m] = _mm256_add_epi32(_mm256_slli_epi32(rb[m], 8), rs[m]);
-        }
         const __m256 dx = _mm256_set1_ps(RES ? a[m].dx[c] / 256.f : a[m].dx[c]);
         acc[m] = _mm256_fmadd_ps(v.da, _mm256_mul_ps(_mm256_cvtepi32_ps(ra[m]), dx), acc[m]);
         if constexpr (kTwo) {
           acc[m] = _mm256_fmadd_ps(v.db, _mm256_mul_ps(_mm256_cvtepi32_ps(rb[m]), dx), acc[m]);
           aco[m] = _mm256_fmadd_ps(v.oa, _mm256_set1_ps(a[m].sa[c]), aco[m]);
           aco[m] = _mm256_fmadd_ps(v.ob, _mm256_set1_ps(a[m].sb[c]), aco[m]);
-        } else {
+        } else if constexpr (!kSigned) {  // Q8_0 / I8_ROW have no offset (0 x s added nothing)
           aco[m] = _mm256_fmadd_ps(v.oa, _mm256_set1_ps(a[m].s[c]), aco[m]);
         }
         // the accumulators are loop-carried: in registers (GCC spilled them, as used once a chunk)
-        asm("" : "+x"(acc[m]), "+x"(aco[m]));
+        if constexpr (kSigned) asm("" : "+x"(acc[m]));
+        else asm("" : "+x"(acc[m]), "+x"(aco[m]));
       }
     }
   }
