@@ -84,8 +84,8 @@ inline void chunk_attention_avx2(const float* q, const float* k_cache, const flo
 }
 
 // The K and V rows of a chunk's keys towards L2, a task ahead of their use: the rows are scattered
-// over the pool's blocks, so the hardware prefetcher finds them late (one stream's chunk read from
-// DRAM took twice its time from cache).
+// over the pool's blocks, where the hardware prefetcher finds them late (a call reading from DRAM
+// took twice its time from cache). Measured: ~15% off 16 rows' calls from DRAM; one row's, noise.
 inline void prefetch_chunk_rows(const float* k_cache, const float* v_cache, const int64_t* off, int64_t n, int64_t D) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t d = 0; d < D; d += 16) {
