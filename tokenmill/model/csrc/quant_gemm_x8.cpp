@@ -18,8 +18,8 @@ void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8])
 #if defined(__AVX2__)
   // Blocks and chunks as nested loops over compile-time sizes (a chunk index divided by a runtime
   // chunks-per-block cost an idiv per chunk), and the weight vectors decoded as the terms use them,
-  // so that the float accumulators stay in registers (they were spilled, and each chunk's FMA then
-  // waited on a store-to-load forward). The integer sums are the same exact ones in any order.
+  // fewer of them live at once (the float accumulators had been spilled, each chunk's FMA waiting
+  // on a store-to-load forward). The integer sums are the same exact ones in any order.
   constexpr bool kSigned = kSignedQ<QT>;
   constexpr bool kTwo = QT == Q6_K;
   constexpr int kB = kBits<QT>;
@@ -89,10 +89,6 @@ void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8])
         } else if constexpr (!kSigned) {  // Q8_0 / I8_ROW have no offset (0 x s added nothing)
           aco[m] = _mm256_fmadd_ps(v.oa, _mm256_set1_ps(a[m].s[c]), aco[m]);
         }
-        // loop-carried, so asked for in registers (GCC spilled them at one row; with 16-bit codes at 4
-        // rows it still spills some: two passes of 2 rows measured slower)
-        if constexpr (kSigned) asm("" : "+x"(acc[m]));
-        else asm("" : "+x"(acc[m]), "+x"(aco[m]));
       }
     }
   }
