@@ -13,7 +13,11 @@ import psutil
 import pytest
 
 from tests.server_utils import ServerProcess
+from tokenmill import SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.router import PrefixAffinityRouter, block_hashes
+from tokenmill.outputs import RequestOutput
 
 SYSTEMS = [list(range(100 + 40 * k, 100 + 40 * k + 64)) for k in range(4)]  # 4 blocks of 16 each
 
@@ -48,6 +52,43 @@ def test_round_robin_and_least_load():
     assert ll.route(SYSTEMS[0], cost=50) == 0 and ll.route(SYSTEMS[0], cost=10) == 1
     ll.finish(0, 50)
     assert ll.route(SYSTEMS[0], cost=1) == 0
+
+
+@pytest.mark.slow
+def test_a_request_routed_to_a_replica_that_just_died_goes_to_another():
+    """The race behind a hung request: a replica dies and a request is routed to it before its
+    death was polled. Its input socket has lost its one peer, where a blocking send waits forever;
+    the request must reach the other replica instead, and an abort or a call must not block either."""
+    engine = LLMEngine(EngineConfig.from_kwargs(dtype="float32", quantization="none", kv_cache_memory="32MiB",
+                                                max_model_len=256, data_parallel_size=2,
+                                                router_policy="round_robin"), progress=False)
+    dp = engine.core_client
+    dp.restart = False
+    victim = dp.replicas[0].proc
+    outputs: dict[str, RequestOutput] = {}
+    block_map: list[str] = []
+
+    def drive():
+        engine.add_request("a", "The three primary colours are", SamplingParams(temperature=0, max_tokens=8))
+        engine.add_request("b", "The three primary colours are", SamplingParams(temperature=0, max_tokens=8))
+        engine.call_core("kv_block_states", block_map.append)
+        while len(outputs) < 2:
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+
+    try:
+        victim.kill()
+        victim.join(10)
+        time.sleep(1)  # ZMQ has dropped the dead peer's pipe
+        thread = threading.Thread(target=drive, daemon=True)
+        thread.start()
+        thread.join(120)
+        assert not thread.is_alive(), "a send to the dead replica blocked"
+        assert dp.replicas[0] is None and dp.replicas[1] is not None
+        a, b = outputs["a"].outputs[0], outputs["b"].outputs[0]
+        assert len(a.token_ids) == len(b.token_ids) == 8 and a.token_ids == b.token_ids
+        assert len(block_map) == 1 and set(block_map[0]) <= set("012") and block_map[0]
+    finally:
+        engine.shutdown()
 
 
 def _greedy(url: str, prompt: str, max_tokens: int = 24) -> httpx.Response:

@@ -76,12 +76,18 @@ class DPClient(EngineCoreClient):
 
     def add_request(self, request: EngineCoreRequest) -> None:
         cost = len(request.prompt_token_ids) + request.max_tokens
-        if not self.healthy:
-            raise ServiceUnavailableError("no replica is running; they are restarting")
-        replica = self.router.route(request.prompt_token_ids, cost, request.cache_salt)
-        self._owner[request.request_id] = (replica, cost)
-        self.replicas[replica].add_request(request)
-        self._sent[replica] += 1
+        while True:
+            if not self.healthy:
+                raise ServiceUnavailableError("no replica is running; they are restarting")
+            replica = self.router.route(request.prompt_token_ids, cost, request.cache_salt)
+            try:
+                self.replicas[replica].add_request(request)
+            except EngineDeadError as e:  # died before its sentinel was polled: the request never
+                self._replica_died(replica, e)  # reached it, so it goes to another replica
+                continue
+            self._owner[request.request_id] = (replica, cost)
+            self._sent[replica] += 1
+            return
 
     def abort_requests(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
@@ -92,7 +98,10 @@ class DPClient(EngineCoreClient):
                 by_replica.setdefault(owner[0], []).append(rid)
         for replica, ids in by_replica.items():
             if self.replicas[replica] is not None:
-                self.replicas[replica].abort_requests(ids)
+                try:
+                    self.replicas[replica].abort_requests(ids)
+                except EngineDeadError as e:
+                    self._replica_died(replica, e)
 
     def has_unfinished(self) -> bool:
         return False
@@ -160,6 +169,7 @@ class DPClient(EngineCoreClient):
         self._sent[replica] = 0
         client.shutdown()
         self.replicas[replica] = None
+        client.settle_calls("")  # e.g. its share of the KV block map: none
         self.router.set_alive(replica, False)
         failed = [rid for rid, (r, _) in self._owner.items() if r == replica]
         for rid in failed:
@@ -220,7 +230,10 @@ class DPClient(EngineCoreClient):
                 on_result("".join(values) if all(isinstance(v, str) for v in values) else values)
 
         for i, r in live:
-            r.call(method, lambda value, i=i: collect(i, value))
+            try:
+                r.call(method, lambda value, i=i: collect(i, value))
+            except EngineDeadError as e:  # its pending calls, this one too, are settled empty
+                self._replica_died(i, e)
 
     def shutdown(self) -> None:
         for r in self.replicas:

@@ -58,6 +58,10 @@ class MPClient(EngineCoreClient):
         self._poller.register(self._out, zmq.POLLIN)
         if self.proc.sentinel is not None:
             self._poller.register(self.proc.sentinel, zmq.POLLIN)
+        self._send_poller = zmq.Poller()
+        self._send_poller.register(self._in, zmq.POLLOUT)
+        if self.proc.sentinel is not None:
+            self._send_poller.register(self.proc.sentinel, zmq.POLLIN)
         self._encoder = msgspec.msgpack.Encoder()
         self._decode_outputs = msgspec.msgpack.Decoder(EngineCoreOutputs).decode
         self._decode_failure = msgspec.msgpack.Decoder(wire.CoreFailure).decode
@@ -136,9 +140,21 @@ class MPClient(EngineCoreClient):
         return f"the engine core process (pid {self.proc.pid}) died; {cause}"
 
     def _send(self, kind: bytes, obj) -> None:
+        """Never blocks on a dead core: a PUSH socket whose one peer has gone blocks a send forever
+        (it has nowhere to queue), so wait for room and watch the core's death while waiting."""
         if self.dead_error is not None:
             raise self.dead_error
-        self._in.send_multipart([kind, self._encoder.encode(obj)], copy=False)
+        frames = [kind, self._encoder.encode(obj)]
+        while True:
+            try:
+                self._in.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            events = dict(self._send_poller.poll(_POLL_MS))
+            if self._in not in events and (self.proc.sentinel in events or self.check_dead()
+                                           or not self.proc.is_alive()):
+                raise self.died()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(wire.ADD, request)
@@ -154,6 +170,12 @@ class MPClient(EngineCoreClient):
         self._next_call += 1
         self._calls[self._next_call] = on_result
         self._send(wire.CALL, wire.CoreCall(self._next_call, method))
+
+    def settle_calls(self, value) -> None:
+        """Answer the calls this core will never answer (it died) with `value`."""
+        calls, self._calls = self._calls, {}
+        for on_result in calls.values():
+            on_result(value)
 
     def stats(self) -> SchedulerStats:
         return self._stats
