@@ -1,6 +1,6 @@
 """Decode steps through every decoder layer in one C++ call (model/fused_decode.py) give bit for
 bit what the Python layers give: plain decodes of several sequences, speculative verification
-rows, and Qwen2's qkv bias."""
+rows, Qwen2's qkv bias, and quantized KV caches."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import gc
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.model.attention.quant_kv import QuantizedKVCache
 from tokenmill.model.fused_decode import FusedDecode
 from tokenmill.model.kernels import load_cpu_kernels
 from tokenmill.model.quant_kernels import quant_kernels_available
@@ -54,6 +55,19 @@ def test_fused_decode_with_qkv_bias(monkeypatch, tiny_qwen2_dir):
     assert any(ly.self_attn.qkv_proj.bias is not None for ly in llm.engine.core.worker.runner.model.model.layers)
     fused, steps, python = _on_and_off(llm, monkeypatch, max_tokens=12)
     assert steps > 0
+    _same(fused, python)
+
+
+@pytest.mark.parametrize("dtype,kv", [("float32", "int8"), ("bfloat16", "fp8_e4m3"), ("float32", "bfloat16")])
+def test_fused_decode_over_a_quantized_kv_cache(monkeypatch, dtype, kv):
+    """Scaled int8 / fp8 caches and a bf16 cache under fp32: the same writes and reads as cpu_paged.py's.
+    No prefix caching: a prompt's cached blocks are read back quantized, where the first run's prefill
+    attended to its own exact K/V, so the second run would differ for that reason alone."""
+    llm = LLM(dtype=dtype, quantization="gguf", kv_cache_dtype=kv, enable_prefix_caching=False, **KV)
+    model = llm.engine.core.worker.runner.model.model
+    assert isinstance(model.layers[0].self_attn.kv_cache, QuantizedKVCache)
+    fused, steps, python = _on_and_off(llm, monkeypatch)
+    assert steps > 0 and model.fused_decode.kv_ops
     _same(fused, python)
 
 

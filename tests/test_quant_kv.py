@@ -101,6 +101,38 @@ def test_avx512_decode_reads_a_quantized_cache(kind, hkv, heads, d):
         assert torch.equal(alone, out[i:i + 1])
 
 
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+@pytest.mark.parametrize("hkv,heads,d", [(3, 9, 64), (2, 12, 128), (1, 10, 128)])
+def test_avx2_decode_reads_an_int8_or_bf16_cache_under_fp32(kind, hkv, heads, d):
+    """The attention library's AVX2 fp32 kernel on an int8 cache with scales or a bf16 one without:
+    against SDPA over the stored values, rows of several chunks, each row the same as alone."""
+    from tokenmill.model.kernels import load_cpu_kernels
+
+    torch.manual_seed(2)
+    if not load_cpu_kernels():
+        pytest.skip("no CPU kernels")
+    lens = [1, 70, 200, 300]
+    if kind == "int8":
+        data, scale, tables, _, _ = _filled_cache(quant_kv_ops(), kind, torch.float32, lens, hkv, d)
+    else:
+        per_seq = -(-max(lens) // 16)
+        nb = per_seq * len(lens) + 8
+        data, scale = torch.randn(2, nb, 16, hkv, d).to(torch.bfloat16), torch.zeros(2, 0)
+        tables = torch.randperm(nb)[:per_seq * len(lens)].view(len(lens), per_seq)
+    stored_scale = scale if kind == "int8" else torch.ones(2, data.shape[1], 16, hkv)
+    q = torch.randn(len(lens), heads, d)
+    out = torch.empty_like(q)
+    scaled = torch.ops.tokenmill.paged_decode_attention_scaled
+    if not scaled(out, q, data[0], data[1], scale[0], scale[1], tables, torch.tensor(lens), 0.125):
+        pytest.skip("no AVX2 path in this build (TOKENMILL_CPU_ISA caps it)")
+    for i, n in enumerate(lens):
+        torch.testing.assert_close(out[i], _reference(q[i], data, stored_scale, tables[i], n, d, hkv),
+                                   atol=1e-5, rtol=1e-4)
+        alone = torch.empty_like(q[i:i + 1])
+        scaled(alone, q[i:i + 1], data[0], data[1], scale[0], scale[1], tables[i:i + 1], torch.tensor([n]), 0.125)
+        assert torch.equal(alone, out[i:i + 1])
+
+
 @pytest.mark.parametrize("kind", list(STORAGE))
 def test_quantized_cache_halves_the_bytes_and_generates(kind):
     kw = dict(dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512, progress=False)

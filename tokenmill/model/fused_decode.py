@@ -2,9 +2,10 @@
 
 For one stream on a small model, Python's dozen ops per layer (views, allocations, dispatch) cost
 as much as the kernels they call. When every layer's weights are packed (GGUF, int8/int4), the
-CPU kernels are in use, the KV cache is plain and the batch holds only decode rows (speculative
-verification rows included), the layers run as the same kernels called from C++ in the same order:
-the result is bit for bit that of the Python layers. Anything else takes the Python layers.
+CPU kernels are in use and the batch holds only decode rows (speculative verification rows
+included), the layers run as the same kernels called from C++ in the same order, over a plain KV
+cache or a quantized one (quant_kv.py): the result is bit for bit that of the Python layers.
+Anything else takes the Python layers.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class FusedDecode:
 
     def __init__(self, layers: list, backend) -> None:
         from tokenmill.model.attention.cpu_paged import CPUPagedBackend
+        from tokenmill.model.attention.quant_kv import QuantizedKVCache
+        from tokenmill.model.quant_kernels import quant_kv_ops
 
         self.layers = layers
         self.usable = False
@@ -35,7 +38,7 @@ class FusedDecode:
                                                   ly.mlp.gate_up_proj, ly.mlp.down_proj)]
         if not (layers and isinstance(backend, CPUPagedBackend) and distributed.state().tp_size == 1
                 and hasattr(torch.ops.tokenmill, "decode_layers") and all(map(_packed, linears))
-                and all(isinstance(ly.self_attn.kv_cache, torch.Tensor) for ly in layers)
+                and all(isinstance(ly.self_attn.kv_cache, torch.Tensor | QuantizedKVCache) for ly in layers)
                 and all(lin.bias is None for ly in layers for lin in (ly.self_attn.o_proj, ly.mlp.gate_up_proj,
                                                                      ly.mlp.down_proj))):
             return
@@ -43,6 +46,9 @@ class FusedDecode:
         if len({m.act_bits for m in methods}) != 1 or len({m.ops.name for m in methods}) != 1:
             return
         self.act_bits, self.qlinear_op = methods[0].act_bits, f"{methods[0].ops.name}::qlinear"
+        quantized_kv = isinstance(layers[0].self_attn.kv_cache, QuantizedKVCache)
+        self.kv_ops = quant_kv_ops().name if quantized_kv else ""
+        no_scale = torch.empty(0)
         attn = layers[0].self_attn
         self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         self.eps, self.scale = layers[0].input_layernorm.eps, attn.scale
@@ -50,8 +56,10 @@ class FusedDecode:
         self.ints: list[int] = []
         for ly in layers:
             a = ly.self_attn
+            kv = a.kv_cache
+            scales = (kv.scale[0], kv.scale[1]) if quantized_kv else (no_scale, no_scale)
             self.tensors += [ly.input_layernorm.weight.data, ly.post_attention_layernorm.weight.data,
-                             a.kv_cache[0], a.kv_cache[1]]
+                             kv[0], kv[1], *scales]
             self.ints.append(int(a.qkv_proj.bias is not None))
             if a.qkv_proj.bias is not None:
                 self.tensors.append(a.qkv_proj.bias.data.float())  # qlinear adds it in fp32: convert once
@@ -80,5 +88,5 @@ class FusedDecode:
         x = torch.ops.tokenmill.decode_layers(x.contiguous(), residual, positions, cos, sin, meta.slot_mapping,
                                               meta.decodes.tables, meta.decodes.seq_lens, self.tensors, self.ints,
                                               len(self.layers), h, hkv, d, self.eps, self.scale, self.act_bits,
-                                              self.qlinear_op)
+                                              self.qlinear_op, self.kv_ops)
         return x, residual

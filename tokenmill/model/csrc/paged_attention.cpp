@@ -154,12 +154,46 @@ void avx512_path(at::Tensor& out, const at::Tensor& q, const PagedKV<C>& kv, con
 }
 #endif
 
+#ifdef TM_HAVE_AVX2_FP32_PATH
+// fp32 queries over an int8 cache with scales, or a bf16 one without: the AVX2 fp32 path, its rows
+// widened as they load. false where it does not apply (fp8 caches, bf16 queries).
+bool avx2_scaled_path(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data, const at::Tensor& v_data,
+                      const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
+                      const at::Tensor& seq_lens, double scale) {
+  const bool scaled = k_scale.numel() > 0;
+  const auto cache = k_data.scalar_type();
+  if (q.scalar_type() != at::kFloat || q.size(2) % 32 != 0 || !((cache == at::kChar && scaled) ||
+                                                                (cache == at::kBFloat16 && !scaled)))
+    return false;
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_data.is_contiguous() && v_data.is_contiguous() &&
+                  k_scale.is_contiguous() && v_scale.is_contiguous() && out.scalar_type() == at::kFloat,
+              "paged_decode_attention_scaled: tensors must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "paged_decode_attention_scaled: block tables and lengths must be int64");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), BS = k_data.size(1), Hkv = k_data.size(2);
+  auto bt = block_tables.contiguous();
+  auto sl = seq_lens.contiguous();
+  auto run = [&](auto tag, const float* ks, const float* vs) {
+    using C = decltype(tag);
+    decode_attention_avx2<C>(out.data_ptr<float>(), q.data_ptr<float>(), k_data.data_ptr<C>(), v_data.data_ptr<C>(),
+                             bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H, Hkv, D, BS, bt.size(1),
+                             static_cast<float>(scale), ks, vs);
+  };
+  if (scaled) run(int8_t{}, k_scale.data_ptr<float>(), v_scale.data_ptr<float>());
+  else run(at::BFloat16{}, nullptr, nullptr);
+  return true;
+}
+#endif
+
 // The AVX-512 path over an int8, fp8 e4m3 or fp8 e5m2 cache with per-token scales (quant_kv.cpp's layout):
 // false when it does not apply (another ISA, fp32 queries, head_dim not 64 or 128), and the caller
-// then runs quant_kv.cpp's portable kernel.
+// then runs quant_kv.cpp's portable kernel. fp32 queries take the AVX2 path where it applies.
 bool paged_decode_attention_scaled(at::Tensor out, const at::Tensor& q, const at::Tensor& k_data,
                                    const at::Tensor& v_data, const at::Tensor& k_scale, const at::Tensor& v_scale,
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+#ifdef TM_HAVE_AVX2_FP32_PATH
+  if (avx2_scaled_path(out, q, k_data, v_data, k_scale, v_scale, block_tables, seq_lens, scale)) return true;
+#endif
 #ifdef TM_HAVE_AVX512_BF16_PATH
   const int64_t D = q.size(2);
   if (q.scalar_type() != at::kBFloat16 || (D != 64 && D != 128) || k_scale.numel() == 0) return false;

@@ -6,6 +6,9 @@
 //   horizontal sum per score;
 // - the weighted values of 32 dimensions stay in registers over a chunk's keys.
 // The chunks depend only on a row's length, so a row's result does not depend on the batch.
+// The same path reads an int8 cache with a scale per token and kv head, or a bf16 one (quant_kv.cpp's
+// layouts): its rows widen to fp32 as they are loaded, a key's scale multiplies its score and a
+// value's its weight.
 #pragma once
 
 #include <immintrin.h>
@@ -18,6 +21,15 @@ namespace tm_paged {
 
 constexpr int64_t kAvx2Chunk = 64;
 
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const at::BFloat16* p) {  // bf16 is the top half of an fp32
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
 // lane t of the result: the sum of the lanes of v[t]
 inline __m256 lane_sums8(const __m256 v[8]) {
   const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -29,18 +41,18 @@ inline __m256 lane_sums8(const __m256 v[8]) {
 // The weighted values of dimensions d0..d0+31 for GN query heads at once: each value vector is
 // loaded once for all of them, and the GN x 4 accumulators are independent FMA chains (one head's
 // 4 chains waited on the FMA latency). Each accumulator sums its keys in order, as before.
-template <int GN>
-inline void chunk_values_avx2(const float* v_cache, const int64_t* off, int64_t n, const float* scores, int64_t D,
+template <int GN, typename C>
+inline void chunk_values_avx2(const C* v_cache, const int64_t* off, int64_t n, const float* scores, int64_t D,
                               int64_t d0, float* a) {
   __m256 acc[GN][4];
   for (int g = 0; g < GN; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const float* v = v_cache + off[i] + d0;
+    const C* v = v_cache + off[i] + d0;
     __m256 p[GN];
     for (int g = 0; g < GN; ++g) p[g] = _mm256_set1_ps(scores[g * kAvx2Chunk + i]);
     for (int c = 0; c < 4; ++c) {  // one vector register for the values: 3 x 4 accumulators + 3 + 1 = 16
-      const __m256 vc = _mm256_loadu_ps(v + 8 * c);
+      const __m256 vc = load8(v + 8 * c);
       for (int g = 0; g < GN; ++g) acc[g][c] = _mm256_fmadd_ps(p[g], vc, acc[g][c]);
     }
   }
@@ -50,35 +62,43 @@ inline void chunk_values_avx2(const float* v_cache, const int64_t* off, int64_t 
 
 // One (row, kv head, chunk of keys): the G query heads' scores of the chunk's n keys, their maximum
 // and softmax numerators' sum, and the numerators' weighted values. part: G maxima, G sums, G x D.
-inline void chunk_attention_avx2(const float* q, const float* k_cache, const float* v_cache, const int64_t* off,
-                                 int64_t n, int64_t G, int64_t D, float* scores, float* part) {
+// ks, vs: the chunk's keys' scales (kAvx2Chunk of them readable), or null for an unscaled cache; then
+// weights holds the numerators times the value scales.
+template <typename C>
+inline void chunk_attention_avx2(const float* q, const C* k_cache, const C* v_cache, const int64_t* off, int64_t n,
+                                 int64_t G, int64_t D, float* scores, float* part, const float* ks = nullptr,
+                                 const float* vs = nullptr, float* weights = nullptr) {
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = q + g * D;
     float* s = scores + g * kAvx2Chunk;
     for (int64_t i = 0; i < n; i += 8) {
-      const float* k[8];
+      const C* k[8];
       for (int j = 0; j < 8; ++j) k[j] = k_cache + off[std::min(i + j, n - 1)];  // a short tail repeats its last key
       __m256 acc[8];
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(qg + d);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), acc[j]);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
       }
       alignas(32) float sums[8];
-      _mm256_store_ps(sums, lane_sums8(acc));
+      const __m256 dots = lane_sums8(acc);
+      _mm256_store_ps(sums, ks ? _mm256_mul_ps(dots, _mm256_loadu_ps(ks + i)) : dots);
       std::copy(sums, sums + std::min<int64_t>(8, n - i), s + i);
     }
     float m;
     part[G + g] = softmax_partial(s, n, m);
     part[g] = m;
+    if (vs)
+      for (int64_t i = 0; i < n; ++i) weights[g * kAvx2Chunk + i] = s[i] * vs[i];
   }
+  const float* w = vs ? weights : scores;
   for (int64_t g0 = 0; g0 < G; g0 += 3) {
     const int64_t gn = std::min<int64_t>(3, G - g0);
     float* a = part + 2 * G + g0 * D;
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
-      if (gn == 3) chunk_values_avx2<3>(v_cache, off, n, scores + g0 * kAvx2Chunk, D, d0, a);
-      else if (gn == 2) chunk_values_avx2<2>(v_cache, off, n, scores + g0 * kAvx2Chunk, D, d0, a);
-      else chunk_values_avx2<1>(v_cache, off, n, scores + g0 * kAvx2Chunk, D, d0, a);
+      if (gn == 3) chunk_values_avx2<3>(v_cache, off, n, w + g0 * kAvx2Chunk, D, d0, a);
+      else if (gn == 2) chunk_values_avx2<2>(v_cache, off, n, w + g0 * kAvx2Chunk, D, d0, a);
+      else chunk_values_avx2<1>(v_cache, off, n, w + g0 * kAvx2Chunk, D, d0, a);
     }
   }
 }
@@ -86,53 +106,65 @@ inline void chunk_attention_avx2(const float* q, const float* k_cache, const flo
 // The K and V rows of a chunk's keys towards L2, a task ahead of their use: the rows are scattered
 // over the pool's blocks, where the hardware prefetcher finds them late (a call reading from DRAM
 // took twice its time from cache). Measured: ~15% off 16 rows' calls from DRAM; one row's, noise.
-inline void prefetch_chunk_rows(const float* k_cache, const float* v_cache, const int64_t* off, int64_t n, int64_t D) {
+template <typename C>
+inline void prefetch_chunk_rows(const C* k_cache, const C* v_cache, const int64_t* off, int64_t n, int64_t D) {
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < D; d += 16) {
+    for (int64_t d = 0; d < D; d += 64 / int64_t(sizeof(C))) {
       _mm_prefetch(reinterpret_cast<const char*>(k_cache + off[i] + d), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(v_cache + off[i] + d), _MM_HINT_T1);
     }
 }
 
-// fp32 queries, cache and output; head_dim a multiple of 32. Same arguments as decode_attention.
-inline void decode_attention_avx2(float* out, const float* q, const float* k_cache, const float* v_cache,
+// fp32 queries and output; head_dim a multiple of 32. Same arguments as decode_attention, and the
+// scales [num_blocks, block_size, Hkv] of an int8 cache (null for fp32 or bf16).
+template <typename C>
+inline void decode_attention_avx2(float* out, const float* q, const C* k_cache, const C* v_cache,
                                   const int64_t* block_tables, const int64_t* seq_lens, int64_t B, int64_t H,
-                                  int64_t Hkv, int64_t D, int64_t BS, int64_t max_blocks, float scale) {
+                                  int64_t Hkv, int64_t D, int64_t BS, int64_t max_blocks, float scale,
+                                  const float* k_scale = nullptr, const float* v_scale = nullptr) {
   const int64_t G = H / Hkv, row = Hkv * D, part_size = G * (D + 2);
   std::vector<int64_t> first(B + 1, 0);  // the first chunk of each row
   for (int64_t b = 0; b < B; ++b)
     first[b + 1] = first[b] + (std::max<int64_t>(seq_lens[b], 0) + kAvx2Chunk - 1) / kAvx2Chunk;
   std::vector<float> parts(first[B] * Hkv * part_size);
   auto part_of = [&](int64_t b, int64_t c, int64_t h) { return parts.data() + ((first[b] + c) * Hkv + h) * part_size; };
-  // a task's row b and its keys' offsets in the cache; returns the number of keys
-  auto task_rows = [&](int64_t task, int64_t& b, int64_t* off) {
+  // a task's row b, its keys' offsets in the cache and their scales' index; returns the number of keys
+  auto task_rows = [&](int64_t task, int64_t& b, int64_t* off, int64_t* at) {
     const int64_t c = task / Hkv, h = task % Hkv;
     b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
     const int64_t t0 = (c - first[b]) * kAvx2Chunk, n = std::min(kAvx2Chunk, seq_lens[b] - t0);
     const int64_t* table = block_tables + b * max_blocks;
     int64_t blk = t0 / BS, in_blk = t0 % BS;  // stepped, not divided per key (an idiv each)
     for (int64_t i = 0; i < n; ++i) {
-      off[i] = (table[blk] * BS + in_blk) * row + h * D;
+      const int64_t slot = table[blk] * BS + in_blk;
+      off[i] = slot * row + h * D;
+      at[i] = slot * Hkv + h;
       if (++in_blk == BS) in_blk = 0, ++blk;
     }
     return n;
   };
   at::parallel_for(0, first[B] * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores(G * kAvx2Chunk);
-    int64_t offs[2][kAvx2Chunk], b = 0, b_next = 0;
-    int64_t n_next = task_rows(begin, b_next, offs[begin % 2]);
+    std::vector<float> qf(G * D), scores(G * kAvx2Chunk), weights(k_scale ? G * kAvx2Chunk : 0);
+    float ks[kAvx2Chunk] = {}, vs[kAvx2Chunk] = {};
+    int64_t offs[2][kAvx2Chunk], ats[2][kAvx2Chunk], b = 0, b_next = 0;
+    int64_t n_next = task_rows(begin, b_next, offs[begin % 2], ats[begin % 2]);
     prefetch_chunk_rows(k_cache, v_cache, offs[begin % 2], n_next, D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t* off = offs[task % 2];
       const int64_t n = n_next, h = task % Hkv;
       b = b_next;
       if (task + 1 < end) {
-        n_next = task_rows(task + 1, b_next, offs[(task + 1) % 2]);
+        n_next = task_rows(task + 1, b_next, offs[(task + 1) % 2], ats[(task + 1) % 2]);
         prefetch_chunk_rows(k_cache, v_cache, offs[(task + 1) % 2], n_next, D);
       }
       const float* qh = q + (b * H + h * G) * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = qh[i] * scale;
-      chunk_attention_avx2(qf.data(), k_cache, v_cache, off, n, G, D, scores.data(), parts.data() + task * part_size);
+      if (k_scale) {
+        const int64_t* at = ats[task % 2];
+        for (int64_t i = 0; i < n; ++i) ks[i] = k_scale[at[i]], vs[i] = v_scale[at[i]];
+      }
+      chunk_attention_avx2(qf.data(), k_cache, v_cache, off, n, G, D, scores.data(), parts.data() + task * part_size,
+                           k_scale ? ks : nullptr, k_scale ? vs : nullptr, weights.data());
     }
   });
   // each (row, kv head): its chunks rescaled to their common maximum, in chunk order

@@ -77,6 +77,19 @@ void kv_write_quant(const at::Tensor& k, const at::Tensor& v, at::Tensor k_data,
   });
 }
 
+// q . k in 16 lanes of partial sums folded in a fixed order: GCC vectorizes this (two FMA chains a
+// row), where a plain float sum is one serial chain it may not reorder.
+inline float dot_lanes(const float* a, const float* b, int64_t D) {
+  float p[16] = {};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16)
+    for (int j = 0; j < 16; ++j) p[j] += a[d + j] * b[d + j];
+  float tail = 0.f;
+  for (; d < D; ++d) tail += a[d] * b[d];
+  for (int j = 0; j < 8; ++j) p[j] += p[j + 8];
+  return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7])) + tail;
+}
+
 // Decode attention over a quantized (or bf16) paged cache. out, q: [B, H, D]; block_tables [B, max_blocks],
 // seq_lens [B] int64; scales may be empty for a bf16 cache.
 template <typename T, typename C>
@@ -96,11 +109,7 @@ void decode_q(T* out, const T* q, const C* kd, const C* vd, const float* ks, con
         const C* kp = kd + (slot * Hkv + h) * D;
         const float s = ks ? ks[slot * Hkv + h] : 1.f;
         for (int64_t d = 0; d < D; ++d) kv[d] = static_cast<float>(kp[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qf[g * D + d] * kv[d];
-          scores[g * L + t] = dot * s;
-        }
+        for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot_lanes(qf.data() + g * D, kv.data(), D) * s;
       }
       std::vector<float> inv(G);
       for (int64_t g = 0; g < G; ++g) {
