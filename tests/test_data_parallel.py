@@ -117,7 +117,10 @@ def _load_with_a_kill(server: ServerProcess, kill) -> list[httpx.Response | Exce
     kill()
     for t in threads:
         t.join(120)
-        assert not t.is_alive(), "a request hung after a replica died"
+        if t.is_alive():  # the server's thread stacks, for whoever reads the failure
+            server.proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError(f"a request hung after a replica died; the server's log:\n{server.log()[-12000:]}")
     return results
 
 

@@ -110,3 +110,7 @@ class RayCoreClient(MPClient):
 class RayDPClient(DPClient):
     client_class = RayCoreClient
 
+    @staticmethod
+    def replica_config(config: EngineConfig, size: int) -> EngineConfig:
+        return config  # each actor asks Ray for its cores, on whichever node it lands
+

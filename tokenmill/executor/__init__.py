@@ -7,7 +7,7 @@ import os
 
 from tokenmill.config import EngineConfig
 from tokenmill.executor.base import Executor, StepMessage
-from tokenmill.worker.cpu_env import default_num_threads
+from tokenmill.utils.cpu import default_num_threads
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ def machine_fingerprint(device: str, num_threads: int) -> dict:
 
 def machine_of(config) -> dict:
     """The fingerprint of this machine as an engine of `config` runs on it (threads and ranks)."""
-    from tokenmill.worker.cpu_env import default_num_threads
+    from tokenmill.utils.cpu import default_num_threads
 
     p = config.parallel
     fingerprint = machine_fingerprint(config.model.torch_device.type, p.num_threads or default_num_threads())

@@ -104,3 +104,11 @@ def describe() -> str:
     family = f" (family {cpu_family()})" if cpu_family() else ""
     hw, act = hardware_isa(), active_isa()
     return f"{model}{family}, ISA {act}" + ("" if act == hw else f" (capped from {hw})")
+
+
+def default_num_threads() -> int:
+    """$OMP_NUM_THREADS when set (as torch itself reads it), else every core."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return os.cpu_count() or 1

@@ -5,12 +5,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import sys
 
 import torch
 
-from tokenmill.utils.cpu import cap_onednn
+from tokenmill.utils.cpu import cap_onednn, default_num_threads
 
 logger = logging.getLogger(__name__)
 
@@ -22,14 +21,6 @@ def configure_cpu(num_threads: int | None) -> None:
     cap_onednn()
     torch.set_num_threads(num_threads or default_num_threads())
     _keep_freed_memory()
-
-
-def default_num_threads() -> int:
-    """$OMP_NUM_THREADS when set (as torch itself reads it), else every core."""
-    try:
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    except (KeyError, ValueError):
-        return os.cpu_count() or 1
 
 
 @functools.cache

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 from typing import NoReturn
 
 from tokenmill.config import ServerConfig
@@ -24,6 +26,9 @@ def register(sub) -> None:
 
 def run(args) -> NoReturn:
     from tokenmill.entrypoints.openai.launcher import exit_process, run_server
+
+    # `kill -USR1 <pid>`: every thread's stack into the log, to see where a stuck server waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     exit_process(run_server(engine_config_from_args(args), dataclass_from_args(ServerConfig, args),
                             log_level=args.log_level))
