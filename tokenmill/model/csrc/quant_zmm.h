@@ -13,19 +13,6 @@ namespace TM_QUANT_NS {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 namespace zmm {
 
-// f(0), ..., f(N - 1) with compile-time indices. GCC's `#pragma GCC unroll` is a hint it dropped for
-// some instances (16-bit codes of 32-weight block formats: the rows' accumulators went to the stack,
-// 3.5x slower); an index sequence leaves it no loop to keep.
-#define TM_INLINE __attribute__((always_inline))
-template <typename F, int... I>
-TM_INLINE inline void static_for_seq(F&& f, std::integer_sequence<int, I...>) {
-  (f(std::integral_constant<int, I>{}), ...);
-}
-template <int N, typename F>
-TM_INLINE inline void static_for(F&& f) {
-  static_for_seq(f, std::make_integer_sequence<int, N>{});
-}
-
 inline __m512 join(__m256 lo, __m256 hi) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
