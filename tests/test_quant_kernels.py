@@ -251,7 +251,8 @@ def test_many_rows_in_blocks_match_one_row_at_a_time(variant, name, bits):
 
 # Where each format's codes lie in a block (GGUF's layouts): all set, every code is its format's largest.
 _CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24), "Q4_K": (16, 144),
-               "Q5_K": (16, 176), "Q6_K": (0, 192)}
+               "Q5_K": (16, 176), "Q6_K": (0, 192), "Q8_0": (2, 34)}
+_LARGEST = {"Q8_0": 0x80}  # -128: signed codes are largest in magnitude at their most negative
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -260,15 +261,17 @@ _CODE_BYTES = {"Q4_0": (2, 18), "Q4_1": (4, 20), "Q5_0": (2, 22), "Q5_1": (4, 24
 def test_largest_codes_against_largest_activations(variant, name, bits):
     """The AVX2 kernel adds several pairs of code products in 16 bits before widening them (8 for
     4-bit codes, 4 for 5-bit, 2 for 6-bit): with every weight code at its largest and every
-    activation code at +-127 those sums are at their largest, and still exact."""
+    activation code at +-127 those sums are at their largest, and still exact. Q8_0's 16-bit codes
+    are products of 16-bit activations in int32 (a third row alternates their signs)."""
     rows, k = 16, 512
     w = random_blocks(name, rows, k, np.random.default_rng(13))
     f = FORMATS[name]
     lo, hi = _CODE_BYTES[name]
-    w.reshape(rows, -1, f.bytes)[:, :, lo:hi] = 0xFF
-    x = torch.ones(2, k)
+    w.reshape(rows, -1, f.bytes)[:, :, lo:hi] = _LARGEST.get(name, 0xFF)
+    x = torch.ones(3, k)
     x[1] = -1.0
-    out = torch.empty(2, rows)
+    x[2, 1::2] = -1.0
+    out = torch.empty(3, rows)
     quant_ops(variant).qlinear(out, x, [_packed(variant, name, w)], [f.id], [rows], None, 0, bits)
     deq = _reference_dequant(name, w, rows, k).double()
     ref = x.double() @ deq.T

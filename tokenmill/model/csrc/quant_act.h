@@ -47,18 +47,21 @@ struct ActRow {
   const int8_t* qr;
   const int16_t* bs;
   const int8_t* up;
+  const int16_t* q16;  // fine, without AVX-512: 256 xq + xr (the AVX2 kernel's 8-bit signed weights)
 };
 
 constexpr int kMaxUp = 3;  // with 2^3 the integer sums of a Q6_K super-block stay within int32
 
 // whole cache lines, so that every row's float arrays stay aligned
-inline int64_t act_row_bytes(int64_t K) { return (K / 32 * 17 + 2 * K + K / 8 + 63) / 64 * 64; }
+inline int64_t act_row_bytes(int64_t K) { return (K / 32 * 17 + 4 * K + K / 8 + 1 + 63) / 64 * 64; }
 
 inline ActRow act_row(const uint8_t* base, int64_t K) {
   const int64_t C = K / 32;
   const float* f = reinterpret_cast<const float*>(base);
   const int8_t* q = reinterpret_cast<const int8_t*>(base + C * 16);
-  return {q, f, f + C, f + 2 * C, f + 3 * C, q + K, reinterpret_cast<const int16_t*>(q + 2 * K), q + 2 * K + K / 8};
+  const int8_t* up = q + 2 * K + K / 8;
+  return {q, f, f + C, f + 2 * C, f + 3 * C, q + K, reinterpret_cast<const int16_t*>(q + 2 * K), up,
+          reinterpret_cast<const int16_t*>(up + K / 32 + K / 32 % 2)};
 }
 
 // A chunk's scale and its inverse: amax_c / 127, or with pow2 the super-block's amax_b / 127 over the
@@ -139,6 +142,7 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
     bs[2 * c + 1] = static_cast<int16_t>(s1);
   }
 #else
+  int16_t* q16 = reinterpret_cast<int16_t*>(up + K / 32 + K / 32 % 2);  // 2-byte aligned
   float xf[32], amax_b = 0.f;
   for (int64_t c = 0; c < C; ++c) {
     if (pow2 && c % 8 == 0) {
@@ -161,6 +165,7 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
       if (fine) {
         const int w = std::clamp(static_cast<int>(std::nearbyint((y - v) * 256.f)), -127, 127);
         qr[c * 32 + i] = static_cast<int8_t>(w);
+        q16[c * 32 + i] = static_cast<int16_t>(256 * v + w);
         (i < 16 ? r0 : r1) += w;
       }
     }

@@ -10,6 +10,37 @@ namespace TM_QUANT_NS {
 
 namespace {
 
+#if defined(__AVX2__)
+// Int32 sums of a chunk of 8-bit signed weights (Q8_0, I8_ROW) against 16-bit activation codes
+// (256 xq + xr, quant_act.h), per row m, in madd: the weights widened once for all rows. The sign
+// trick of 8-bit codes took two maddubs, two signs and two madds a product here, each pair's sum
+// alone in int16. The same exact integers.
+template <int MR>
+TM_INLINE inline void signed_fine_sums(const uint8_t* body, const ActRow* a, int64_t c, __m256i ra[]) {
+  auto ld16 = [](const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+  __m256i lo[MR], hi[MR];  // int32 lanes: rows 0-3 (lo) or 4-7 (hi), two lanes a row
+  static_for<8>([&](auto jc) TM_INLINE {
+    constexpr int j = decltype(jc)::value;
+    const __m256i wl = ld16(body + 32 * j), wh = ld16(body + 32 * j + 16);
+    static_for<MR>([&](auto mc) TM_INLINE {
+      constexpr int m = decltype(mc)::value;
+      int64_t xg;
+      std::memcpy(&xg, a[m].q16 + c * 32 + 4 * j, 8);
+      const __m256i x = _mm256_set1_epi64x(xg);
+      const __m256i pl = _mm256_madd_epi16(wl, x), ph = _mm256_madd_epi16(wh, x);
+      lo[m] = j == 0 ? pl : _mm256_add_epi32(lo[m], pl);
+      hi[m] = j == 0 ? ph : _mm256_add_epi32(hi[m], ph);
+      __asm__("" : "+x"(lo[m]), "+x"(hi[m]));
+    });
+  });
+  // hadd: rows 0, 1, 4, 5 | 2, 3, 6, 7; the 64-bit pairs back in row order
+  static_for<MR>([&](auto mc) TM_INLINE {
+    constexpr int m = decltype(mc)::value;
+    ra[m] = _mm256_permute4x64_epi64(_mm256_hadd_epi32(lo[m], hi[m]), 0xD8);
+  });
+}
+#endif
+
 // out[m][r] (m < MR, r < 8) = row r of a group . activation row m
 template <int QT, int MR, bool RES>
 void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8]) {
@@ -58,7 +89,8 @@ void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8])
       // index below is a compile-time one: as a runtime loop over j, GCC kept the weight vectors'
       // loop and copied the 16-bit sums between registers at each step (~2.5 ops of 4 a product).
       __m256i ra[MR], rb[MR];
-      static_for<8 / kRun>([&](auto run) TM_INLINE {
+      if constexpr (kSigned && RES) signed_fine_sums<MR>(body, a, c, ra);
+      else static_for<8 / kRun>([&](auto run) TM_INLINE {
         constexpr int j0 = decltype(run)::value * kRun;
         __m256i s16[MR], f16[MR];
         static_for<kRun>([&](auto jj) TM_INLINE {
