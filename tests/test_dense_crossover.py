@@ -45,7 +45,7 @@ def test_crossover_follows_cpu_kind_codes_and_format(monkeypatch):
     _cpu(monkeypatch, "AuthenticAMD", "avx2", "25")  # measured: 8-bit codes keep the packed kernel
     assert packed.default_dense_min_rows(8, Q4_K) == 0
     assert packed.default_dense_min_rows(8, Q6_K) == 2048
-    assert packed.default_dense_min_rows(16, Q4_K) == packed.DENSE_MIN_ROWS["avx2"]
+    assert packed.default_dense_min_rows(16, Q4_K) == 512  # its own 16-bit crossover, not the level's
 
 
 def _mixed_layer(method: packed.PackedLinearMethod, rows: list[int], k: int) -> SimpleNamespace:

@@ -38,8 +38,11 @@ DENSE_MIN_ROWS: dict[str, int | None] = {"scalar": 1, "avx2": 128, "avx512": Non
 # CPU kinds whose crossover differs from their level's. AMD EPYC (Zen 5) with AVX512-BF16 and no AMX
 # (2026-11-25): its oneDNN bf16 GEMM runs 1.2-2x the packed kernel's rate from 64 rows, and with the
 # SIMD dequantization (quant_dequant.h) dequant+GEMM wins from 128 rows on three of four shapes
-# (256 on Qwen-1.5B's gate_up, within 8% at 128), by up to 1.6x at 512.
-DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", "avx512_bf16"): 128}
+# (256 on Qwen-1.5B's gate_up, within 8% at 128), by up to 1.6x at 512. An AMD EPYC with AVX2 only
+# (2026-11-28, fp32, SmolLM2's Q4_1 shapes with 16-bit codes): packed 1.2-1.3x at 128 rows, even at
+# 512-2048; its Q8_0 head packed at every row count (1.1x at 2048).
+DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", "avx512_bf16"): 128,
+                                                               ("AuthenticAMD", "avx2"): 512}
 # The same CPU kinds with 8-bit activation codes (half the packed kernel's integer work), per weight
 # format; a format not listed: the packed kernel at every row count. AMD EPYC (2026-11-26, 8960x1536):
 # packed is 1.1-1.3x dequant+GEMM at 2048 rows for every format but those whose 5th/6th bits are
