@@ -1,5 +1,5 @@
 // The few-row packed kernel without AVX-512 (AVX2, or portable scalar code): x[M, K] . W^T, 8
-// output rows (one x8 group) at a time, up to 4 activation rows per decoded chunk. Each lane of
+// output rows (one x8 group) at a time, up to 8 activation rows per decoded chunk. Each lane of
 // a ymm is one output row, so there are no horizontal sums; with AVX-512, quant_gemm_rows.cpp
 // runs instead.
 #include <cstring>
@@ -174,6 +174,10 @@ bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a,
     auto run = [&](auto res_tag) {
       constexpr bool R = decltype(res_tag)::value;
       switch (mr) {
+        case 8: group_dot<QT, 8, R>(group, K, a, out); break;
+        case 7: group_dot<QT, 7, R>(group, K, a, out); break;
+        case 6: group_dot<QT, 6, R>(group, K, a, out); break;
+        case 5: group_dot<QT, 5, R>(group, K, a, out); break;
         case 4: group_dot<QT, 4, R>(group, K, a, out); break;
         case 3: group_dot<QT, 3, R>(group, K, a, out); break;
         case 2: group_dot<QT, 2, R>(group, K, a, out); break;
