@@ -238,7 +238,7 @@ bool dispatch_qtype(int qtype, Fn&& f) {
 }
 
 // The AVX2 / scalar kernel (quant_gemm_x8.cpp): out[m][r] = row r of an x8 group . activation row
-// m, for m < mr <= 4.
+// m, for m < mr <= 8.
 bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, bool fine, float out[][8]);
 
 // The AVX-512 kernel (quant_gemm_rows.cpp): out[m][r] = row r of the 16 rows of groups g0 (rows
