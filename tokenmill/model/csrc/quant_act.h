@@ -52,16 +52,22 @@ struct ActRow {
 
 constexpr int kMaxUp = 3;  // with 2^3 the integer sums of a Q6_K super-block stay within int32
 
-// whole cache lines, so that every row's float arrays stay aligned
-inline int64_t act_row_bytes(int64_t K) { return (K / 32 * 17 + 4 * K + K / 8 + 1 + 63) / 64 * 64; }
+// Whether rows carry q16: 16-bit codes without AVX-512 (2K more bytes a row, 36 MB for 2048 rows of
+// K = 8960, so only where a kernel reads them).
+constexpr bool act_q16(bool fine) { return fine && !kZmm; }
 
-inline ActRow act_row(const uint8_t* base, int64_t K) {
+// whole cache lines, so that every row's float arrays stay aligned
+inline int64_t act_row_bytes(int64_t K, bool fine) {
+  return (K / 32 * 17 + 2 * K + K / 8 + (act_q16(fine) ? 2 * K + 1 : 0) + 63) / 64 * 64;
+}
+
+inline ActRow act_row(const uint8_t* base, int64_t K, bool fine) {
   const int64_t C = K / 32;
   const float* f = reinterpret_cast<const float*>(base);
   const int8_t* q = reinterpret_cast<const int8_t*>(base + C * 16);
   const int8_t* up = q + 2 * K + K / 8;
-  return {q, f, f + C, f + 2 * C, f + 3 * C, q + K, reinterpret_cast<const int16_t*>(q + 2 * K), up,
-          reinterpret_cast<const int16_t*>(up + K / 32 + K / 32 % 2)};
+  const int16_t* q16 = act_q16(fine) ? reinterpret_cast<const int16_t*>(up + K / 32 + K / 32 % 2) : nullptr;
+  return {q, f, f + C, f + 2 * C, f + 3 * C, q + K, reinterpret_cast<const int16_t*>(q + 2 * K), up, q16};
 }
 
 // A chunk's scale and its inverse: amax_c / 127, or with pow2 the super-block's amax_b / 127 over the
