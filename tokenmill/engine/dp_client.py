@@ -23,7 +23,7 @@ from tokenmill.engine.core_client import EngineCoreClient
 from tokenmill.engine.mp_client import MPClient
 from tokenmill.engine.router import PrefixAffinityRouter
 from tokenmill.errors import EngineDeadError, EngineStepError, ServiceUnavailableError
-from tokenmill.utils.cpu import default_num_threads
+from tokenmill.utils.cpu import thread_share
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +77,7 @@ class DPClient(EngineCoreClient):
         """Replicas on this machine share its cores: each gets its share of --num-threads (every
         core by default), as tensor-parallel ranks do. Each with every core, two replicas' thread
         teams wait on each other: on 2 cores, 8 streams fell from ~40 to 3-4 tok/s after a restart."""
-        total = config.parallel.num_threads or default_num_threads()
-        per = max(1, total // size)
+        per = thread_share(config.parallel.num_threads, size)
         logger.info("data parallel: %d replicas, %d thread(s) each", size, per)
         return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, num_threads=per))
 

@@ -7,7 +7,7 @@ import os
 
 from tokenmill.config import EngineConfig
 from tokenmill.executor.base import Executor, StepMessage
-from tokenmill.utils.cpu import default_num_threads
+from tokenmill.utils.cpu import default_num_threads, thread_share
 
 logger = logging.getLogger(__name__)
 
@@ -16,8 +16,7 @@ __all__ = ["Executor", "StepMessage", "make_executor", "threads_per_rank"]
 
 def threads_per_rank(config: EngineConfig) -> int:
     """--num-threads (default: every core) shared evenly by the ranks, at least one each."""
-    total = config.parallel.num_threads or default_num_threads()
-    return max(1, total // config.parallel.world_size)
+    return thread_share(config.parallel.num_threads, config.parallel.world_size)
 
 
 def core_sharing(config: EngineConfig) -> tuple[str, bool]:

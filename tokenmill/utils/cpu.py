@@ -112,3 +112,9 @@ def default_num_threads() -> int:
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     except (KeyError, ValueError):
         return os.cpu_count() or 1
+
+
+def thread_share(num_threads: int | None, parts: int) -> int:
+    """`num_threads` (None: `default_num_threads()`) shared evenly by `parts` (tensor/pipeline ranks,
+    or data-parallel replicas on one machine), at least one each."""
+    return max(1, (num_threads or default_num_threads()) // parts)
