@@ -47,26 +47,26 @@ struct ActRow {
   const int8_t* qr;
   const int16_t* bs;
   const int8_t* up;
-  const int16_t* q16;  // fine, without AVX-512: 256 xq + xr (the AVX2 kernel's 8-bit signed weights)
+  const int16_t* q16;  // 256 xq + xr, or null: for the AVX2 kernel's 8-bit signed weights (act_q16)
 };
 
 constexpr int kMaxUp = 3;  // with 2^3 the integer sums of a Q6_K super-block stay within int32
 
-// Whether rows carry q16: 16-bit codes without AVX-512 (2K more bytes a row, 36 MB for 2048 rows of
-// K = 8960, so only where a kernel reads them).
-constexpr bool act_q16(bool fine) { return fine && !kZmm; }
+// Whether rows carry q16: 16-bit codes for 8-bit signed weights without AVX-512 (2K more bytes a row,
+// 36 MB for 2048 rows of K = 8960, and a store per code: only where a kernel reads them).
+inline bool act_q16(bool fine, bool any_signed) { return fine && any_signed && !kZmm; }
 
 // whole cache lines, so that every row's float arrays stay aligned
-inline int64_t act_row_bytes(int64_t K, bool fine) {
-  return (K / 32 * 17 + 2 * K + K / 8 + (act_q16(fine) ? 2 * K + 1 : 0) + 63) / 64 * 64;
+inline int64_t act_row_bytes(int64_t K, bool q16) {
+  return (K / 32 * 17 + 2 * K + K / 8 + (q16 ? 2 * K + 1 : 0) + 63) / 64 * 64;
 }
 
-inline ActRow act_row(const uint8_t* base, int64_t K, bool fine) {
+inline ActRow act_row(const uint8_t* base, int64_t K, bool with_q16) {
   const int64_t C = K / 32;
   const float* f = reinterpret_cast<const float*>(base);
   const int8_t* q = reinterpret_cast<const int8_t*>(base + C * 16);
   const int8_t* up = q + 2 * K + K / 8;
-  const int16_t* q16 = act_q16(fine) ? reinterpret_cast<const int16_t*>(up + K / 32 + K / 32 % 2) : nullptr;
+  const int16_t* q16 = with_q16 ? reinterpret_cast<const int16_t*>(up + K / 32 + K / 32 % 2) : nullptr;
   return {q, f, f + C, f + 2 * C, f + 3 * C, q + K, reinterpret_cast<const int16_t*>(q + 2 * K), up, q16};
 }
 
@@ -116,7 +116,7 @@ inline void quantize16(__m512 y, bool fine, int8_t* q, int8_t* qr, int& s, int& 
 #endif
 
 template <typename T>
-void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = false) {
+void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = false, bool with_q16 = false) {
   const int64_t C = K / 32;
   float* dx = reinterpret_cast<float*>(dst);
   float *s = dx + C, *sa = dx + 2 * C, *sb = dx + 3 * C;
@@ -148,7 +148,7 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
     bs[2 * c + 1] = static_cast<int16_t>(s1);
   }
 #else
-  int16_t* q16 = reinterpret_cast<int16_t*>(up + K / 32 + K / 32 % 2);  // 2-byte aligned
+  int16_t* q16 = with_q16 ? reinterpret_cast<int16_t*>(up + K / 32 + K / 32 % 2) : nullptr;  // 2-byte aligned
   float xf[32], amax_b = 0.f;
   for (int64_t c = 0; c < C; ++c) {
     if (pow2 && c % 8 == 0) {
@@ -171,7 +171,7 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
       if (fine) {
         const int w = std::clamp(static_cast<int>(std::nearbyint((y - v) * 256.f)), -127, 127);
         qr[c * 32 + i] = static_cast<int8_t>(w);
-        q16[c * 32 + i] = static_cast<int16_t>(256 * v + w);
+        if (q16) q16[c * 32 + i] = static_cast<int16_t>(256 * v + w);
         (i < 16 ? r0 : r1) += w;
       }
     }
@@ -224,7 +224,7 @@ TM_INLINE inline void static_for(F&& f) {
 }
 
 template <int QT> constexpr int kBits = QT == Q8_0 || QT == I8_ROW ? 8 : QT == Q6_K ? 6 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) ? 5 : 4;
-template <int QT> constexpr bool kSignedQ = QT == Q8_0 || QT == I8_ROW;
+template <int QT> constexpr bool kSignedQ = x8_signed(QT);
 
 template <typename Fn>
 bool dispatch_qtype(int qtype, Fn&& f) {

@@ -61,16 +61,18 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
   // 8-bit codes for K-quants only: power-of-two chunk scales within each super-block (quant_act.h;
   // every ISA path multiplies the same codes; AVX-512 applies the sub-block scales in integers)
   const bool sb = !fine && std::all_of(shards.begin(), shards.end(), [](const Shard& s) { return sb_type(s.qtype); });
-  const int64_t arb = act_row_bytes(K, fine);
+  const bool q16 = act_q16(
+      fine, std::any_of(shards.begin(), shards.end(), [](const Shard& s) { return x8_signed(s.qtype); }));
+  const int64_t arb = act_row_bytes(K, q16);
   // not zeroed: quantize_row writes every byte a kernel reads (zeroing cost as much as a few rows' codes)
   std::unique_ptr<uint8_t[]> act(new uint8_t[M * arb + 64]);
   uint8_t* abase = act.get() + (64 - reinterpret_cast<uintptr_t>(act.get()) % 64) % 64;
   // row by row on both threads from two rows: a long row (K = 8960) takes ~10 us
   at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) quantize_row(x + m * K, K, abase + m * arb, fine, sb);
+    for (int64_t m = b; m < e; ++m) quantize_row(x + m * K, K, abase + m * arb, fine, sb, q16);
   });
   std::vector<ActRow> rows(M);
-  for (int64_t m = 0; m < M; ++m) rows[m] = act_row(abase + m * arb, K, fine);
+  for (int64_t m = 0; m < M; ++m) rows[m] = act_row(abase + m * arb, K, q16);
   if constexpr (kZmm) return qgemm_pairs(rows.data(), M, K, shards, out, ldo, bias, fine, sb);
   // Rows in passes of up to 8 over each decoded chunk (4 with 16-bit codes, whose two sums a row
   // would spill), as even as they go: a pass of one row ran at ~60% of the rate of a pass of four

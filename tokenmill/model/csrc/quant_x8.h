@@ -54,7 +54,7 @@ inline int64_t x8_group_bytes(int qtype, int64_t K) {
   return g.group_head + K / g.qk * (g.block_head + g.qk / 32 * g.body);
 }
 
-inline bool x8_signed(int qtype) { return qtype == Q8_0 || qtype == I8_ROW; }
+constexpr bool x8_signed(int qtype) { return qtype == Q8_0 || qtype == I8_ROW; }
 
 // Where weight e (0..31) of row r of a chunk lives: vector k, byte index i inside it.
 inline void x8_slot(int r, int e, int& k, int& i) {
