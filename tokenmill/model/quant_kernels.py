@@ -26,7 +26,7 @@ _CSRC = Path(__file__).parent / "csrc"
 # two libraries: the weight kernels, and the KV-cache ones, which are built only when a quantized
 # KV cache asks for them (a cold start builds what it uses)
 LIBRARIES = {"quant": ([_CSRC / "quant_gemm.cpp", _CSRC / "quant_gemm_rows.cpp", _CSRC / "quant_gemm_sb.cpp",
-                        _CSRC / "quant_gemm_x8.cpp"], "tokenmill_q"),
+                        _CSRC / "quant_gemm_x8.cpp", _CSRC / "quant_gemm_x8sb.cpp"], "tokenmill_q"),
              "quant_kv": ([_CSRC / "quant_kv.cpp"], "tokenmill_qkv")}
 SOURCES = [src for sources, _ in LIBRARIES.values() for src in sources]
 HEADERS = (_CSRC / "quant_blocks.h", _CSRC / "quant_x8.h", _CSRC / "quant_act.h",

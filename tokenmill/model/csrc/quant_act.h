@@ -47,6 +47,9 @@ struct ActRow {
   const int8_t* qr;
   const int16_t* bs;
   const int8_t* up;
+  // per super-block b, pair p: chunks 2p and 2p + 1's sums of xq, each times 2^up, as two int16 (the
+  // K-quant minimums' partner in the AVX2 super-block kernel; written with pow2 scales without AVX-512)
+  const int32_t* mp;
   const int16_t* q16;  // 256 xq + xr, or null: for the AVX2 kernel's 8-bit signed weights (act_q16)
 };
 
@@ -56,18 +59,23 @@ constexpr int kMaxUp = 3;  // with 2^3 the integer sums of a Q6_K super-block st
 // 36 MB for 2048 rows of K = 8960, and a store per code: only where a kernel reads them).
 inline bool act_q16(bool fine, bool any_signed) { return fine && any_signed && !kZmm; }
 
+// A row's layout: dx, s, sa, sb (C = K / 32 floats each), xq, xr (K each), bs (K / 16 int16), up (C),
+// then from a 4-byte boundary mp (K / 256 int32) and q16 (K int16).
+inline int64_t act_up_offset(int64_t K) { return K / 32 * 16 + 2 * K + K / 8; }
+inline int64_t act_mp_offset(int64_t K) { return (act_up_offset(K) + K / 32 + 3) / 4 * 4; }
+inline int64_t act_q16_offset(int64_t K) { return act_mp_offset(K) + K / 256 * 16; }
+
 // whole cache lines, so that every row's float arrays stay aligned
-inline int64_t act_row_bytes(int64_t K, bool q16) {
-  return (K / 32 * 17 + 2 * K + K / 8 + (q16 ? 2 * K + 1 : 0) + 63) / 64 * 64;
-}
+inline int64_t act_row_bytes(int64_t K, bool q16) { return (act_q16_offset(K) + (q16 ? 2 * K : 0) + 63) / 64 * 64; }
 
 inline ActRow act_row(const uint8_t* base, int64_t K, bool with_q16) {
   const int64_t C = K / 32;
   const float* f = reinterpret_cast<const float*>(base);
   const int8_t* q = reinterpret_cast<const int8_t*>(base + C * 16);
-  const int8_t* up = q + 2 * K + K / 8;
-  const int16_t* q16 = with_q16 ? reinterpret_cast<const int16_t*>(up + K / 32 + K / 32 % 2) : nullptr;
-  return {q, f, f + C, f + 2 * C, f + 3 * C, q + K, reinterpret_cast<const int16_t*>(q + 2 * K), up, q16};
+  const int8_t* up = reinterpret_cast<const int8_t*>(base + act_up_offset(K));
+  const int32_t* mp = reinterpret_cast<const int32_t*>(base + act_mp_offset(K));
+  const int16_t* q16 = with_q16 ? reinterpret_cast<const int16_t*>(base + act_q16_offset(K)) : nullptr;
+  return {q, f, f + C, f + 2 * C, f + 3 * C, q + K, reinterpret_cast<const int16_t*>(q + 2 * K), up, mp, q16};
 }
 
 // A chunk's scale and its inverse: amax_c / 127, or with pow2 the super-block's amax_b / 127 over the
@@ -123,7 +131,7 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
   int8_t* q = reinterpret_cast<int8_t*>(dst + C * 16);
   int8_t* qr = q + K;
   int16_t* bs = reinterpret_cast<int16_t*>(q + 2 * K);
-  int8_t* up = q + 2 * K + K / 8;
+  int8_t* up = reinterpret_cast<int8_t*>(dst + act_up_offset(K));
 #if defined(__AVX512F__) && defined(__AVX512BW__)
   float amax_b = 0.f;
   for (int64_t c = 0; c < C; ++c) {
@@ -148,7 +156,8 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
     bs[2 * c + 1] = static_cast<int16_t>(s1);
   }
 #else
-  int16_t* q16 = with_q16 ? reinterpret_cast<int16_t*>(up + K / 32 + K / 32 % 2) : nullptr;  // 2-byte aligned
+  int16_t* q16 = with_q16 ? reinterpret_cast<int16_t*>(dst + act_q16_offset(K)) : nullptr;
+  int32_t* mp = reinterpret_cast<int32_t*>(dst + act_mp_offset(K));
   float xf[32], amax_b = 0.f;
   for (int64_t c = 0; c < C; ++c) {
     if (pow2 && c % 8 == 0) {
@@ -181,6 +190,15 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
     s[c] = sa[c] + sb[c];
     bs[2 * c] = static_cast<int16_t>(s0);
     bs[2 * c + 1] = static_cast<int16_t>(s1);
+    if (pow2 && c % 8 == 7) {  // |sum| <= 32 * 127, times 2^3: within int16
+      const int64_t c0 = c - 7;
+      for (int p = 0; p < 4; ++p) {
+        const int64_t a = c0 + 2 * p;
+        const auto lo = static_cast<uint16_t>((bs[2 * a] + bs[2 * a + 1]) * (1 << up[a]));
+        const auto hi = static_cast<uint16_t>((bs[2 * a + 2] + bs[2 * a + 3]) * (1 << up[a + 1]));
+        mp[c0 / 2 + p] = static_cast<int32_t>(lo | static_cast<uint32_t>(hi) << 16);
+      }
+    }
   }
 #endif
 }
@@ -246,6 +264,9 @@ bool dispatch_qtype(int qtype, Fn&& f) {
 // The AVX2 / scalar kernel (quant_gemm_x8.cpp): out[m][r] = row r of an x8 group . activation row
 // m, for m < mr <= 8.
 bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, bool fine, float out[][8]);
+// The same for Q4_K and Q5_K against 8-bit codes with pow2 scales (quant_gemm_x8sb.cpp): the
+// sub-block scales in integers; false for other types, or without AVX2.
+bool group_dot_rows_sb(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, float out[][8]);
 
 // The AVX-512 kernel (quant_gemm_rows.cpp): out[m][r] = row r of the 16 rows of groups g0 (rows
 // 0-7) and g1 (8-15) . activation row m, for m < mr <= kPairRows; false when this variant has none.

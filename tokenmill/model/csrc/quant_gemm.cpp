@@ -7,8 +7,9 @@
 // and each chunk of 8 rows x 32 weights is integer dot products (VNNI vpdpbusd, or vpmaddubsw +
 // vpmaddwd) whose lanes are output rows, so the weights are read once per call, as packed as they
 // are stored, with no horizontal sums. Each decoded chunk serves several activation rows: up to 4
-// in quant_gemm_x8.cpp (AVX2, scalar), up to 8 with 16 output rows per zmm with AVX-512
-// (quant_pairs.h: quant_gemm_rows.cpp, or quant_gemm_sb.cpp for K-quants with 8-bit codes).
+// in quant_gemm_x8.cpp (AVX2, scalar; quant_gemm_x8sb.cpp for K-quants with 8-bit codes), up to 8
+// with 16 output rows per zmm with AVX-512 (quant_pairs.h: quant_gemm_rows.cpp, or
+// quant_gemm_sb.cpp for K-quants with 8-bit codes).
 // Many rows (prefill, big batches): the same packed kernel, with activation rows blocked to fit
 // L2, or, where the ISA's measured crossover says so (packed.py's DENSE_MIN_ROWS: AVX2, AMX),
 // dequantize a slab of W to the activation dtype and hand it to the dense GEMM (oneDNN).
@@ -93,7 +94,8 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
       for (int64_t m0 = 0, pass = 0; m0 < M; ++pass) {
         const int mr = static_cast<int>(rows_per_pass + (pass < longer_passes));
         float res[kMaxRows][8];
-        group_dot_rows(sh.qtype, group, K, &rows[m0], mr, fine, res);
+        if (!sb || !group_dot_rows_sb(sh.qtype, group, K, &rows[m0], mr, res))
+          group_dot_rows(sh.qtype, group, K, &rows[m0], mr, fine, res);
         const int64_t col = sh.first + gi * 8;
         for (int64_t m = 0; m < mr; ++m)
           for (int r = 0; r < nr; ++r)
