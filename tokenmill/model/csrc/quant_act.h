@@ -241,6 +241,22 @@ TM_INLINE inline void static_for(F&& f) {
   static_for_seq(f, std::make_integer_sequence<int, N>{});
 }
 
+// f(integral_constant<int, mr>) for a pass of mr rows, 1 <= mr <= 8 (each kernel's row count is a
+// template argument, so that its per-row arrays stay in registers)
+template <typename F>
+TM_INLINE inline void dispatch_rows(int mr, F&& f) {
+  switch (mr) {
+    case 8: f(std::integral_constant<int, 8>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 template <int QT> constexpr int kBits = QT == Q8_0 || QT == I8_ROW ? 8 : QT == Q6_K ? 6 : (QT == Q5_0 || QT == Q5_1 || QT == Q5_K) ? 5 : 4;
 template <int QT> constexpr bool kSignedQ = x8_signed(QT);
 

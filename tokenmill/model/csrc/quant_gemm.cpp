@@ -8,9 +8,8 @@
 // vpmaddwd) whose lanes are output rows, so the weights are read once per call, as packed as they
 // are stored, with no horizontal sums. Each decoded chunk serves several activation rows: up to 8
 // (4 with 16-bit codes) in quant_gemm_x8.cpp (AVX2, scalar; quant_gemm_x8sb.cpp for Q4_K and Q5_K
-// with 8-bit codes), up to 8
-// with 16 output rows per zmm with AVX-512 (quant_pairs.h: quant_gemm_rows.cpp, or
-// quant_gemm_sb.cpp for K-quants with 8-bit codes).
+// with 8-bit codes), up to 8 with 16 output rows per zmm with AVX-512 (quant_pairs.h:
+// quant_gemm_rows.cpp, or quant_gemm_sb.cpp for K-quants with 8-bit codes).
 // Many rows (prefill, big batches): the same packed kernel, with activation rows blocked to fit
 // L2, or, where the ISA's measured crossover says so (packed.py's DENSE_MIN_ROWS: AVX2, AMX),
 // dequantize a slab of W to the activation dtype and hand it to the dense GEMM (oneDNN).
@@ -61,7 +60,8 @@ template <typename TX, typename TO>
 void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& shards, TO* out, int64_t ldo,
                   const float* bias, bool fine) {
   // 8-bit codes for K-quants only: power-of-two chunk scales within each super-block (quant_act.h;
-  // every ISA path multiplies the same codes; AVX-512 applies the sub-block scales in integers)
+  // every ISA path multiplies the same codes; AVX-512, and AVX2 for Q4_K / Q5_K, apply the sub-block
+  // scales in integers)
   const bool sb = !fine && std::all_of(shards.begin(), shards.end(), [](const Shard& s) { return sb_type(s.qtype); });
   const bool q16 = act_q16(
       fine, std::any_of(shards.begin(), shards.end(), [](const Shard& s) { return x8_signed(s.qtype); }));

@@ -132,17 +132,8 @@ bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const 
     constexpr int QT = decltype(qt)::value;
     auto run = [&](auto res_tag) {
       constexpr bool R = decltype(res_tag)::value;
-      static_assert(kPairRows <= 8, "the switch below covers 1..8 rows");
-      switch (mr) {
-        case 8: pair_dot_t<QT, 8, R>(g0, g1, K, tile, pf, out); break;
-        case 7: pair_dot_t<QT, 7, R>(g0, g1, K, tile, pf, out); break;
-        case 6: pair_dot_t<QT, 6, R>(g0, g1, K, tile, pf, out); break;
-        case 5: pair_dot_t<QT, 5, R>(g0, g1, K, tile, pf, out); break;
-        case 4: pair_dot_t<QT, 4, R>(g0, g1, K, tile, pf, out); break;
-        case 3: pair_dot_t<QT, 3, R>(g0, g1, K, tile, pf, out); break;
-        case 2: pair_dot_t<QT, 2, R>(g0, g1, K, tile, pf, out); break;
-        default: pair_dot_t<QT, 1, R>(g0, g1, K, tile, pf, out); break;
-      }
+      static_assert(kPairRows <= 8, "dispatch_rows covers 1..8 rows");
+      dispatch_rows(mr, [&](auto rows) { pair_dot_t<QT, decltype(rows)::value, R>(g0, g1, K, tile, pf, out); });
     };
     if (fine) run(std::true_type{});
     else run(std::false_type{});

@@ -170,17 +170,8 @@ bool pair_dot_sb(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, con
                  const Ahead& pf, float out[][16]) {
   auto run = [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
-    static_assert(kPairRows <= 8, "the switch below covers 1..8 rows");
-    switch (mr) {
-      case 8: sb_dot_t<QT, 8>(g0, g1, K, tile, pf, out); break;
-      case 7: sb_dot_t<QT, 7>(g0, g1, K, tile, pf, out); break;
-      case 6: sb_dot_t<QT, 6>(g0, g1, K, tile, pf, out); break;
-      case 5: sb_dot_t<QT, 5>(g0, g1, K, tile, pf, out); break;
-      case 4: sb_dot_t<QT, 4>(g0, g1, K, tile, pf, out); break;
-      case 3: sb_dot_t<QT, 3>(g0, g1, K, tile, pf, out); break;
-      case 2: sb_dot_t<QT, 2>(g0, g1, K, tile, pf, out); break;
-      default: sb_dot_t<QT, 1>(g0, g1, K, tile, pf, out); break;
-    }
+    static_assert(kPairRows <= 8, "dispatch_rows covers 1..8 rows");
+    dispatch_rows(mr, [&](auto rows) { sb_dot_t<QT, decltype(rows)::value>(g0, g1, K, tile, pf, out); });
   };
   switch (qtype) {
     case Q4_K: run(std::integral_constant<int, Q4_K>{}); return true;

@@ -173,16 +173,7 @@ bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a,
     constexpr int QT = decltype(qt)::value;
     auto run = [&](auto res_tag) {
       constexpr bool R = decltype(res_tag)::value;
-      switch (mr) {
-        case 8: group_dot<QT, 8, R>(group, K, a, out); break;
-        case 7: group_dot<QT, 7, R>(group, K, a, out); break;
-        case 6: group_dot<QT, 6, R>(group, K, a, out); break;
-        case 5: group_dot<QT, 5, R>(group, K, a, out); break;
-        case 4: group_dot<QT, 4, R>(group, K, a, out); break;
-        case 3: group_dot<QT, 3, R>(group, K, a, out); break;
-        case 2: group_dot<QT, 2, R>(group, K, a, out); break;
-        default: group_dot<QT, 1, R>(group, K, a, out); break;
-      }
+      dispatch_rows(mr, [&](auto rows) { group_dot<QT, decltype(rows)::value, R>(group, K, a, out); });
     };
     if (fine) run(std::true_type{});
     else run(std::false_type{});

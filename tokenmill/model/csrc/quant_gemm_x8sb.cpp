@@ -99,16 +99,7 @@ void group_dot_sb(const uint8_t* group, int64_t K, const ActRow* a, float out[][
 bool group_dot_rows_sb(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, float out[][8]) {
   auto run = [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
-    switch (mr) {
-      case 8: group_dot_sb<QT, 8>(group, K, a, out); break;
-      case 7: group_dot_sb<QT, 7>(group, K, a, out); break;
-      case 6: group_dot_sb<QT, 6>(group, K, a, out); break;
-      case 5: group_dot_sb<QT, 5>(group, K, a, out); break;
-      case 4: group_dot_sb<QT, 4>(group, K, a, out); break;
-      case 3: group_dot_sb<QT, 3>(group, K, a, out); break;
-      case 2: group_dot_sb<QT, 2>(group, K, a, out); break;
-      default: group_dot_sb<QT, 1>(group, K, a, out); break;
-    }
+    dispatch_rows(mr, [&](auto rows) { group_dot_sb<QT, decltype(rows)::value>(group, K, a, out); });
   };
   switch (qtype) {
     case Q4_K: run(std::integral_constant<int, Q4_K>{}); return true;
