@@ -29,7 +29,7 @@ LIBRARIES = {"quant": ([_CSRC / "quant_gemm.cpp", _CSRC / "quant_gemm_rows.cpp",
                         _CSRC / "quant_gemm_x8.cpp", _CSRC / "quant_gemm_x8sb.cpp"], "tokenmill_q"),
              "quant_kv": ([_CSRC / "quant_kv.cpp"], "tokenmill_qkv")}
 SOURCES = [src for sources, _ in LIBRARIES.values() for src in sources]
-HEADERS = (_CSRC / "quant_blocks.h", _CSRC / "quant_x8.h", _CSRC / "quant_act.h",
+HEADERS = (_CSRC / "quant_blocks.h", _CSRC / "quant_x8.h", _CSRC / "quant_act.h", _CSRC / "quant_act_chunk.h",
            _CSRC / "quant_dequant.h", _CSRC / "quant_ymm.h", _CSRC / "quant_zmm.h",
            _CSRC / "quant_pairs.h")
 # variant -> compiler flags; the ISA level each variant needs

@@ -14,6 +14,8 @@
 #define TM_QUANT_NS tokenmill_q_scalar
 #endif
 
+#include "quant_act_chunk.h"
+
 namespace TM_QUANT_NS {
 
 using namespace tmq;
@@ -158,32 +160,14 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
 #else
   int16_t* q16 = with_q16 ? reinterpret_cast<int16_t*>(dst + act_q16_offset(K)) : nullptr;
   int32_t* mp = reinterpret_cast<int32_t*>(dst + act_mp_offset(K));
-  float xf[32], amax_b = 0.f;
+  float amax_b = 0.f;
   for (int64_t c = 0; c < C; ++c) {
-    if (pow2 && c % 8 == 0) {
-      amax_b = 0.f;
-      for (int i = 0; i < 256; ++i) amax_b = std::max(amax_b, std::fabs(static_cast<float>(x[c * 32 + i])));
-    }
-    float amax = 0.f;
-    for (int i = 0; i < 32; ++i) {
-      xf[i] = static_cast<float>(x[c * 32 + i]);
-      amax = std::max(amax, std::fabs(xf[i]));
-    }
+    if (pow2 && c % 8 == 0) amax_b = abs_max(x + c * 32, 256);
     float scale, inv;
-    chunk_scale(amax, amax_b, pow2, scale, inv, up[c]);
-    int s0 = 0, s1 = 0, r0 = 0, r1 = 0;
-    for (int i = 0; i < 32; ++i) {
-      const float y = xf[i] * inv;
-      const int v = static_cast<int>(std::nearbyint(y));  // |v| <= 127: never -128
-      q[c * 32 + i] = static_cast<int8_t>(v);
-      (i < 16 ? s0 : s1) += v;
-      if (fine) {
-        const int w = std::clamp(static_cast<int>(std::nearbyint((y - v) * 256.f)), -127, 127);
-        qr[c * 32 + i] = static_cast<int8_t>(w);
-        if (q16) q16[c * 32 + i] = static_cast<int16_t>(256 * v + w);
-        (i < 16 ? r0 : r1) += w;
-      }
-    }
+    chunk_scale(abs_max(x + c * 32, 32), amax_b, pow2, scale, inv, up[c]);
+    int sh[2], rh[2];
+    quantize_chunk(x + c * 32, inv, fine, q + c * 32, qr + c * 32, q16 ? q16 + c * 32 : nullptr, sh, rh);
+    const int s0 = sh[0], s1 = sh[1], r0 = rh[0], r1 = rh[1];
     dx[c] = scale;
     sa[c] = scale * (s0 + r0 / 256.f);
     sb[c] = scale * (s1 + r1 / 256.f);
