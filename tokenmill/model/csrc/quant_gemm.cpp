@@ -84,23 +84,30 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
   // work items: groups of 8 rows over all shards
   std::vector<int64_t> starts{0};
   for (const Shard& s : shards) starts.push_back(starts.back() + (s.rows + 7) / 8);
+  // With several passes and short rows, a pass's rows meet a block of groups before the next pass:
+  // its codes (8 x K bytes) stay in L1 and the block's weights in L2, where each group had read every
+  // pass's codes from L2 again (~10% of the kernel's rate at K = 1536). Longer rows fit no L1.
+  const int64_t block = passes > 1 && kMaxRows * K <= 16384 ? 8 : 1;
   at::parallel_for(0, starts.back(), 4, [&](int64_t b, int64_t e) {
-    size_t si = 0;
-    for (int64_t item = b; item < e; ++item) {
-      while (item >= starts[si + 1]) ++si;
-      const Shard& sh = shards[si];
-      const int64_t gi = item - starts[si];
-      const uint8_t* group = sh.w + gi * sh.gb;
-      const int nr = static_cast<int>(std::min<int64_t>(8, sh.rows - gi * 8));
+    for (int64_t b0 = b; b0 < e; b0 += block) {
+      const int64_t b1 = std::min(e, b0 + block);
       for (int64_t m0 = 0, pass = 0; m0 < M; ++pass) {
         const int mr = static_cast<int>(rows_per_pass + (pass < longer_passes));
-        float res[kMaxRows][8];
-        if (!sb || !group_dot_rows_sb(sh.qtype, group, K, &rows[m0], mr, res))
-          group_dot_rows(sh.qtype, group, K, &rows[m0], mr, fine, res);
-        const int64_t col = sh.first + gi * 8;
-        for (int64_t m = 0; m < mr; ++m)
-          for (int r = 0; r < nr; ++r)
-            out[(m0 + m) * ldo + col + r] = static_cast<TO>(res[m][r] + (bias ? bias[col + r] : 0.f));
+        size_t si = 0;
+        for (int64_t item = b0; item < b1; ++item) {
+          while (item >= starts[si + 1]) ++si;
+          const Shard& sh = shards[si];
+          const int64_t gi = item - starts[si];
+          const uint8_t* group = sh.w + gi * sh.gb;
+          const int nr = static_cast<int>(std::min<int64_t>(8, sh.rows - gi * 8));
+          float res[kMaxRows][8];
+          if (!sb || !group_dot_rows_sb(sh.qtype, group, K, &rows[m0], mr, res))
+            group_dot_rows(sh.qtype, group, K, &rows[m0], mr, fine, res);
+          const int64_t col = sh.first + gi * 8;
+          for (int64_t m = 0; m < mr; ++m)
+            for (int r = 0; r < nr; ++r)
+              out[(m0 + m) * ldo + col + r] = static_cast<TO>(res[m][r] + (bias ? bias[col + r] : 0.f));
+        }
         m0 += mr;
       }
     }
