@@ -88,13 +88,13 @@ def test_paged_decode_attention_matches_sdpa(dtype, head_dim, heads, kv_heads, b
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 12, 2)])
 def test_verification_rows_equal_rows_alone(dtype, head_dim, heads, kv_heads):
     """A verification's rows (one table, lengths L..L+k, run together by the kernel) give bit for
-    bit what each row gives alone, and match SDPA; a run longer than the kernel's longest, and
-    runs next to single decodes, too."""
+    bit what each row gives alone, and match SDPA; runs longer than the kernels' longest (AVX-512's
+    and AVX2's: 32), and runs next to single decodes, too."""
     torch.manual_seed(2)
     block_size, num_blocks = 16, 96
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    seqs = [(1, 40), (5, 250), (1, 7), (20, 31), (3, 1)]  # (rows, length of the first row)
+    seqs = [(1, 40), (5, 250), (1, 7), (20, 31), (3, 1), (40, 70)]  # (rows, length of the first row)
     lens = [first + i for rows, first in seqs for i in range(rows)]
     max_blocks = -(-max(lens) // block_size)
     seq_tables = [torch.randperm(num_blocks)[:max_blocks] for _ in seqs]
@@ -105,14 +105,16 @@ def test_verification_rows_equal_rows_alone(dtype, head_dim, heads, kv_heads):
     _rows_alone_and_sdpa(out, q, k_cache, v_cache, tables, lens, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 12, 2)])
-def test_prefill_rows_equal_rows_alone(head_dim, heads, kv_heads):
-    """A prompt's tokens as rows of one table (lengths 1..L; the backend's paged prefill): past a few
-    MiB of partials each (run, kv head) becomes one task over all its key chunks, with a buffer
-    of its own; every row is still bit for bit the row alone, and matches SDPA (a sample of rows)."""
+def test_prefill_rows_equal_rows_alone(dtype, head_dim, heads, kv_heads):
+    """A prompt's tokens as rows of one table (lengths 1..L; the backend's paged prefill, and every
+    prompt in batch-invariant mode): with AVX-512 bf16, past a few MiB of partials each (run, kv
+    head) becomes one task over all its key chunks, with a buffer of its own; fp32 with AVX2 takes
+    runs of 32 rows a chunk at a time. Every row is still bit for bit the row alone, and matches
+    SDPA (a sample of rows)."""
     torch.manual_seed(4)
     block_size, num_blocks, length = 16, 64, 700
-    dtype = torch.bfloat16
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
     table = torch.randperm(num_blocks)[:-(-length // block_size)]

@@ -128,11 +128,27 @@ inline void decode_attention_avx2(float* out, const float* q, const C* k_cache, 
     first[b + 1] = first[b] + (std::max<int64_t>(seq_lens[b], 0) + kAvx2Chunk - 1) / kAvx2Chunk;
   std::vector<float> parts(first[B] * Hkv * part_size);
   auto part_of = [&](int64_t b, int64_t c, int64_t h) { return parts.data() + ((first[b] + c) * Hkv + h) * part_size; };
-  // a task's row b, its keys' offsets in the cache and their scales' index; returns the number of keys
-  auto task_rows = [&](int64_t task, int64_t& b, int64_t* off, int64_t* at) {
-    const int64_t c = task / Hkv, h = task % Hkv;
-    b = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
-    const int64_t t0 = (c - first[b]) * kAvx2Chunk, n = std::min(kAvx2Chunk, seq_lens[b] - t0);
+  // Runs of rows with lengths rising by one over one block table (a speculative verification, or a
+  // prompt's rows in batch-invariant mode) take each (kv head, chunk of keys) together: the chunk's
+  // K/V rows come from DRAM once and stay in cache for the run's other rows, which each re-read them
+  // before (a 17-row verification read its sequence's cache 17 times). Each row's arithmetic is
+  // unchanged, so is its result. At most kAvx2Run rows a run, for the threads' balance.
+  constexpr int64_t kAvx2Run = 32;
+  std::vector<int64_t> runs{0};  // run i: rows [runs[i], runs[i + 1])
+  for (int64_t b = 1; b < B; ++b) {
+    const int64_t b0 = runs.back(), head_blocks = (std::max<int64_t>(seq_lens[b0], 0) + BS - 1) / BS;
+    const bool more = b - b0 < kAvx2Run && seq_lens[b] == seq_lens[b - 1] + 1 &&
+                      std::equal(block_tables + b * max_blocks, block_tables + b * max_blocks + head_blocks,
+                                 block_tables + b0 * max_blocks);
+    if (!more) runs.push_back(b);
+  }
+  runs.push_back(B);
+  const int64_t R = static_cast<int64_t>(runs.size()) - 1;
+  std::vector<int64_t> task_start{0};  // run i's tasks: (chunk, kv head) of its longest row
+  for (int64_t i = 0; i < R; ++i) task_start.push_back(task_start.back() + (first[runs[i + 1]] - first[runs[i + 1] - 1]) * Hkv);
+  // row b's keys t0.. of a chunk: their offsets in the cache and their scales' index; returns how many
+  auto chunk_keys = [&](int64_t b, int64_t t0, int64_t h, int64_t* off, int64_t* at) {
+    const int64_t n = std::min(kAvx2Chunk, seq_lens[b] - t0);
     const int64_t* table = block_tables + b * max_blocks;
     int64_t blk = t0 / BS, in_blk = t0 % BS;  // stepped, not divided per key (an idiv each)
     for (int64_t i = 0; i < n; ++i) {
@@ -143,28 +159,39 @@ inline void decode_attention_avx2(float* out, const float* q, const C* k_cache, 
     }
     return n;
   };
-  at::parallel_for(0, first[B] * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // task -> (run, chunk start t0, kv head)
+  auto task_of = [&](int64_t task, int64_t& ri, int64_t& t0, int64_t& h) {
+    ri = std::upper_bound(task_start.begin(), task_start.end(), task) - task_start.begin() - 1;
+    const int64_t local = task - task_start[ri];
+    t0 = local / Hkv * kAvx2Chunk;
+    h = local % Hkv;
+  };
+  at::parallel_for(0, task_start.back(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores(G * kAvx2Chunk), weights(k_scale ? G * kAvx2Chunk : 0);
     float ks[kAvx2Chunk] = {}, vs[kAvx2Chunk] = {};
-    int64_t offs[2][kAvx2Chunk], ats[2][kAvx2Chunk], b = 0, b_next = 0;
-    int64_t n_next = task_rows(begin, b_next, offs[begin % 2], ats[begin % 2]);
-    prefetch_chunk_rows(k_cache, v_cache, offs[begin % 2], n_next, D);
+    int64_t off[kAvx2Chunk], at[kAvx2Chunk], ahead[kAvx2Chunk], ahead_at[kAvx2Chunk];
+    auto prefetch = [&](int64_t task) {  // the task's longest row's keys (the run's others are among them)
+      int64_t ri, t0, h;
+      task_of(task, ri, t0, h);
+      const int64_t n = chunk_keys(runs[ri + 1] - 1, t0, h, ahead, ahead_at);
+      prefetch_chunk_rows(k_cache, v_cache, ahead, n, D);
+    };
+    prefetch(begin);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t* off = offs[task % 2];
-      const int64_t n = n_next, h = task % Hkv;
-      b = b_next;
-      if (task + 1 < end) {
-        n_next = task_rows(task + 1, b_next, offs[(task + 1) % 2], ats[(task + 1) % 2]);
-        prefetch_chunk_rows(k_cache, v_cache, offs[(task + 1) % 2], n_next, D);
+      int64_t ri, t0, h;
+      task_of(task, ri, t0, h);
+      if (task + 1 < end) prefetch(task + 1);
+      for (int64_t b = runs[ri]; b < runs[ri + 1]; ++b) {
+        if (seq_lens[b] <= t0) continue;  // a shorter row of the run ends before this chunk
+        const int64_t n = chunk_keys(b, t0, h, off, at);
+        const float* qh = q + (b * H + h * G) * D;
+        for (int64_t i = 0; i < G * D; ++i) qf[i] = qh[i] * scale;
+        if (k_scale)
+          for (int64_t i = 0; i < n; ++i) ks[i] = k_scale[at[i]], vs[i] = v_scale[at[i]];
+        chunk_attention_avx2(qf.data(), k_cache, v_cache, off, n, G, D, scores.data(),
+                             part_of(b, t0 / kAvx2Chunk, h), k_scale ? ks : nullptr, k_scale ? vs : nullptr,
+                             weights.data());
       }
-      const float* qh = q + (b * H + h * G) * D;
-      for (int64_t i = 0; i < G * D; ++i) qf[i] = qh[i] * scale;
-      if (k_scale) {
-        const int64_t* at = ats[task % 2];
-        for (int64_t i = 0; i < n; ++i) ks[i] = k_scale[at[i]], vs[i] = v_scale[at[i]];
-      }
-      chunk_attention_avx2(qf.data(), k_cache, v_cache, off, n, G, D, scores.data(), parts.data() + task * part_size,
-                           k_scale ? ks : nullptr, k_scale ? vs : nullptr, weights.data());
     }
   });
   // each (row, kv head): its chunks rescaled to their common maximum, in chunk order
