@@ -123,6 +123,8 @@ def main() -> None:
         return spec_configs(int(k) if k else args.k, args.draft, int(k) if k else args.draft_k)[base]
 
     names = (args.configs or ("none,ngram,draft" if args.draft else "none,ngram")).split(",")
+    if not args.draft and any(n.startswith("draft") for n in names):
+        ap.error("a draft configuration needs --draft (e.g. --draft qwen2.5-coder-0.5b)")
     print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model(),
                       "load_before": open("/proc/loadavg").read().split()[:3], "model": args.model or "smollm2-135m",
                       "draft": args.draft, "k": args.k, "draft_k": args.draft_k or args.k,

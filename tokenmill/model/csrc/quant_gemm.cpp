@@ -86,7 +86,7 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
   for (const Shard& s : shards) starts.push_back(starts.back() + (s.rows + 7) / 8);
   // With several passes and short rows, a pass's rows meet a block of groups before the next pass:
   // its codes (8 x K bytes) stay in L1 and the block's weights in L2, where each group had read every
-  // pass's codes from L2 again (~10% of the kernel's rate at K = 1536). Longer rows fit no L1.
+  // pass's codes from L2 again (5-9% of the kernel's rate at K = 1536). Longer rows fit no L1.
   const int64_t block = passes > 1 && kMaxRows * K <= 16384 ? 8 : 1;
   at::parallel_for(0, starts.back(), 4, [&](int64_t b, int64_t e) {
     for (int64_t b0 = b; b0 < e; b0 += block) {
