@@ -6,7 +6,8 @@
 // so does the fp32 one with AVX2 (paged_attention_avx2.h).
 // A speculative verification (1 + k tokens of one sequence) arrives as consecutive rows over the
 // same block table with lengths L, L + 1, ...: the bf16 path runs such a run of rows in the same
-// tasks, which load each K/V row once for all of them. Each row's arithmetic (its dot products, softmax
+// tasks, which load each K/V row once for all of them; the fp32 AVX2 path takes each chunk of keys
+// for the whole run, so it comes from memory once. Each row's arithmetic (its dot products, softmax
 // and sums, in the same order) is that of a row alone, so the result does not depend on grouping.
 // Built at first use by tokenmill/model/kernels.py; the caller is attention/cpu_paged.py.
 #include <ATen/core/Tensor.h>
