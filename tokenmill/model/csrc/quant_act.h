@@ -165,15 +165,14 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
     if (pow2 && c % 8 == 0) amax_b = abs_max(x + c * 32, 256);
     float scale, inv;
     chunk_scale(abs_max(x + c * 32, 32), amax_b, pow2, scale, inv, up[c]);
-    int sh[2], rh[2];
-    quantize_chunk(x + c * 32, inv, fine, q + c * 32, qr + c * 32, q16 ? q16 + c * 32 : nullptr, sh, rh);
-    const int s0 = sh[0], s1 = sh[1], r0 = rh[0], r1 = rh[1];
+    int sq[2], sr[2];  // the halves' sums of codes and of residual codes
+    quantize_chunk(x + c * 32, inv, fine, q + c * 32, qr + c * 32, q16 ? q16 + c * 32 : nullptr, sq, sr);
     dx[c] = scale;
-    sa[c] = scale * (s0 + r0 / 256.f);
-    sb[c] = scale * (s1 + r1 / 256.f);
+    sa[c] = scale * (sq[0] + sr[0] / 256.f);
+    sb[c] = scale * (sq[1] + sr[1] / 256.f);
     s[c] = sa[c] + sb[c];
-    bs[2 * c] = static_cast<int16_t>(s0);
-    bs[2 * c + 1] = static_cast<int16_t>(s1);
+    bs[2 * c] = static_cast<int16_t>(sq[0]);
+    bs[2 * c + 1] = static_cast<int16_t>(sq[1]);
     if (pow2 && c % 8 == 7) {  // |sum| <= 32 * 127, times 2^3: within int16
       const int64_t c0 = c - 7;
       for (int p = 0; p < 4; ++p) {
