@@ -43,9 +43,9 @@ class FusedDecode:
                                                                      ly.mlp.down_proj))):
             return
         methods = [lin.method for lin in linears]
-        if len({m.act_bits for m in methods}) != 1 or len({m.ops.name for m in methods}) != 1:
+        if len({m.ops.name for m in methods}) != 1:
             return
-        self.act_bits, self.qlinear_op = methods[0].act_bits, f"{methods[0].ops.name}::qlinear"
+        self.qlinear_op = f"{methods[0].ops.name}::qlinear"
         quantized_kv = isinstance(layers[0].self_attn.kv_cache, QuantizedKVCache)
         self.kv_ops = quant_kv_ops().name if quantized_kv else ""
         no_scale = torch.empty(0)
@@ -64,7 +64,7 @@ class FusedDecode:
             if a.qkv_proj.bias is not None:
                 self.tensors.append(a.qkv_proj.bias.data.float())  # qlinear adds it in fp32: convert once
             for lin in (a.qkv_proj, a.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj):
-                self.ints += [lin.method.dense_min_rows, len(lin.q_views)]
+                self.ints += [lin.method.dense_min_rows, lin.method.act_bits, len(lin.q_views)]
                 for view, qt, rows in zip(lin.q_views, lin.method.qtypes, lin.q_rows):
                     self.tensors.append(view)
                     self.ints += [qt, rows]
@@ -87,6 +87,6 @@ class FusedDecode:
         h, hkv, d = self.heads
         x = torch.ops.tokenmill.decode_layers(x.contiguous(), residual, positions, cos, sin, meta.slot_mapping,
                                               meta.decodes.tables, meta.decodes.seq_lens, self.tensors, self.ints,
-                                              len(self.layers), h, hkv, d, self.eps, self.scale, self.act_bits,
+                                              len(self.layers), h, hkv, d, self.eps, self.scale,
                                               self.qlinear_op, self.kv_ops)
         return x, residual

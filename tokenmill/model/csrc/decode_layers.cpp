@@ -28,11 +28,11 @@ using KVDecodeFn = void(at::Tensor, const at::Tensor&, const at::Tensor&, const 
 struct Packed {
   std::vector<at::Tensor> w;
   std::vector<int64_t> qtypes, rows;
-  int64_t out = 0, dense_min_rows = 0;
+  int64_t out = 0, dense_min_rows = 0, act_bits = 16;
 };
 
-// ints per layer: has_bias, then per linear (qkv, o, gate_up, down): dense_min_rows, n, then n
-// (qtype, rows); tensors per layer: in_norm, post_norm, k_cache, v_cache, k_scale, v_scale (empty for a
+// ints per layer: has_bias, then per linear (qkv, o, gate_up, down): dense_min_rows, act_bits (each
+// kind has its own: act_bits.py), n, then n (qtype, rows); tensors per layer: in_norm, post_norm, k_cache, v_cache, k_scale, v_scale (empty for a
 // plain cache, or a bf16 one under fp32), [qkv bias], shards in order.
 struct LayerReader {
   const std::vector<at::Tensor>& t;
@@ -41,6 +41,7 @@ struct LayerReader {
   Packed linear() {
     Packed p;
     p.dense_min_rows = ints[ii++];
+    p.act_bits = ints[ii++];
     const int64_t n = ints[ii++];
     for (int64_t s = 0; s < n; ++s) {
       p.w.push_back(t[ti++]);
@@ -72,7 +73,7 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
                          const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, std::vector<at::Tensor> tensors, at::IntArrayRef ints,
                          int64_t num_layers, int64_t H, int64_t Hkv, int64_t D, double eps, double scale,
-                         int64_t act_bits, std::string qlinear_op, std::string kv_ops) {
+                         std::string qlinear_op, std::string kv_ops) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && residual.is_contiguous() &&
                   residual.sizes() == hidden.sizes() && residual.scalar_type() == hidden.scalar_type(),
               "decode_layers: hidden and residual must be contiguous [T, hidden] of one dtype");
@@ -90,7 +91,7 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
   }
   auto qlinear = [&](at::Tensor& y, const Packed& p, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
     if (!y.defined() || y.size(1) != p.out) y = at::empty({x.size(0), p.out}, x.options());
-    op.call(y, x, p.w, p.qtypes, p.rows, bias, p.dense_min_rows, act_bits);
+    op.call(y, x, p.w, p.qtypes, p.rows, bias, p.dense_min_rows, p.act_bits);
   };
   const int64_t T_ = hidden.size(0), q_size = H * D, kv_size = Hkv * D;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -159,7 +160,7 @@ at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("decode_layers(Tensor hidden, Tensor(a!) residual, Tensor positions, Tensor cos, Tensor sin, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor[] tensors, int[] ints, int num_layers, "
-        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int act_bits, str qlinear_op, "
+        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, str qlinear_op, "
         "str kv_ops) "
         "-> Tensor");
 }

@@ -3,17 +3,24 @@
 8-bit codes (one int8 per activation and a scale per 32, as llama.cpp's and vLLM's GGUF kernels; for
 K-quant weights a power-of-two fraction of a 256-value super-block's, so that their sub-block scales
 apply in integers) take half the integer work of 16-bit ones (int8 plus an int8 code of its rounding
-residual, as exact as fp32): what bounds many-row products (verification, batches) on a CPU without
-AMX. What they cost in accuracy depends on the model: on Qwen2.5-Coder-0.5B nothing measurable, on
-SmolLM2-135M +0.44% perplexity, most of issue 8's 0.5% budget (BENCHMARKS.md). So the choice is
-measured: the perplexity of 512 tokens of built-in text (calibration.py) with 8-bit codes against
-16-bit ones; 8 bits when the change is within `MAX_CHANGE` (0.3%, margin under the 0.5% budget for
-another text), else 16. The verdict is kept in the cache folder, keyed by the weight files' size and
-time, the dtype and the codes (`CODES`), so a model pays the measurement (two passes over the text:
-1.3 s for SmolLM2, 6.2 s for Qwen2.5-Coder-1.5B on 2 cores) once. With tensor or pipeline
-parallelism no rank can run the whole model alone: 16 bits without measuring. Perplexity is the
-budget's measure; a model with near-uniform predictions (random weights) hardly moves it whatever
-its logits do, so tests of the products themselves pin the bits.
+residual, as exact as fp32): what bounds many-row products (prefill, verification, batches) on a CPU
+without AMX. What they cost in accuracy depends on the model, and within a model on the layer kind:
+on Qwen2.5-Coder nothing measurable; on SmolLM2-135M +0.9% on this text with every product at 8 bits,
+mostly from the down projections and the LM head, while the gate/up, attention output and qkv
+products (three quarters of a layer's work) cost under 0.3% together (BENCHMARKS.md). So the choice
+is measured per layer kind (the name a layer has in every decoder layer: qkv_proj, o_proj,
+gate_up_proj, down_proj, and lm_head), on the perplexity of 512 tokens of built-in text
+(calibration.py) against 16-bit codes everywhere:
+- every kind at 8 bits when that is within `MAX_CHANGE` (0.3%, margin under issue 8's 0.5% budget for
+  another text);
+- else each kind alone at 8 bits, then, from the least harmful, each kind added to those kept while
+  the change of the whole set stays within `MAX_CHANGE`; the rest keep 16.
+The verdict is kept in the cache folder, keyed by the weight files' size and time, the dtype and the
+codes (`CODES`), so a model pays the measurement (2 passes over the text where every kind takes 8
+bits, ~11 for SmolLM2: ~1.3 s a pass on 2 cores) once. With tensor or pipeline parallelism no rank
+can run the whole model alone: 16 bits without measuring. Perplexity is the budget's measure; a model
+with near-uniform predictions (random weights) hardly moves it whatever its logits do, so tests of
+the products themselves pin the bits.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,24 +40,37 @@ from tokenmill.model.loader.cache import VerdictFile
 logger = logging.getLogger(__name__)
 TOKENS = 512
 MAX_CHANGE = 0.003  # relative perplexity change allowed for 8-bit codes
-# what 8-bit codes are; a verdict measured on other codes is measured again. 2: power-of-two chunk
-# scales under each 256-value super-block for K-quant weights (csrc/quant_act.h), per 32 for the rest.
-CODES = 2
+# what 8-bit codes are and how a verdict reads; one measured on other codes is measured again.
+# 2: power-of-two chunk scales under each 256-value super-block for K-quant weights (csrc/quant_act.h),
+# per 32 for the rest; 3: the bits chosen per layer kind.
+CODES = 3
 VERDICTS = VerdictFile("act_bits.json")
 
 
 def packed_methods(model: torch.nn.Module) -> list[PackedLinearMethod]:
-    seen: dict[int, PackedLinearMethod] = {}
-    for m in model.modules():
+    return [m for ms in methods_by_kind(model).values() for m in ms]
+
+
+def methods_by_kind(model: torch.nn.Module) -> dict[str, list[PackedLinearMethod]]:
+    """Packed methods by the kind of layer that multiplies by them (the module name's last part).
+    An embedding only looks rows up: a tied head's method is the head's kind."""
+    from tokenmill.model.layers.embedding import VocabEmbedding
+
+    kinds: dict[str, list[PackedLinearMethod]] = {}
+    seen: set[int] = set()
+    for name, m in model.named_modules():
         method = getattr(m, "method", None)
-        if isinstance(method, PackedLinearMethod):
-            seen.setdefault(id(method), method)
-    return list(seen.values())
+        if isinstance(method, PackedLinearMethod) and not isinstance(m, VocabEmbedding) and id(method) not in seen:
+            seen.add(id(method))
+            kinds.setdefault(name.rsplit(".", 1)[-1], []).append(method)
+    return kinds
 
 
-def set_act_bits(model: torch.nn.Module, bits: int) -> None:
-    for method in packed_methods(model):
-        method.set_act_bits(bits)
+def set_act_bits(model: torch.nn.Module, bits: int | dict[str, int]) -> None:
+    """bits: for every kind, or per kind (a kind not named: 16)."""
+    for kind, methods in methods_by_kind(model).items():
+        for method in methods:
+            method.set_act_bits(bits if isinstance(bits, int) else bits.get(kind, 16))
 
 
 def fingerprint(path: Path, dtype: torch.dtype) -> str:
@@ -73,51 +94,90 @@ def _nll(model: torch.nn.Module, ids: list[int]) -> float:
     return total / (len(ids) - 1)
 
 
-def measure_change(model: torch.nn.Module, ids: list[int]) -> float:
-    """Relative perplexity change of 8-bit codes against 16-bit ones (the packed kernel both times:
-    the dense path's bf16 weights would add their own rounding to the reference)."""
-    methods = packed_methods(model)
-    saved = [(m.dense_min_rows, m.act_bits) for m in methods]
-    try:
-        nll = {}
-        for bits in (16, 8):
-            for m in methods:
-                m.dense_min_rows, m.act_bits = 0, bits  # the packed kernel at every row count
-            nll[bits] = _nll(model, ids)
-    finally:
-        for m, (rows, bits) in zip(methods, saved):
-            m.dense_min_rows, m.act_bits = rows, bits
-    return math.exp(nll[8] - nll[16]) - 1
+class _Trial:
+    """Perplexity changes of 8-bit codes for sets of kinds against 16-bit codes everywhere (the packed
+    kernel every time: the dense path's bf16 weights would add their own rounding to the reference)."""
+
+    def __init__(self, model: torch.nn.Module, ids: list[int]) -> None:
+        self.model, self.ids, self.kinds = model, ids, methods_by_kind(model)
+        self.base = self._nll(set())
+
+    def _nll(self, eight: set[str]) -> float:
+        methods = [(kind, m) for kind, ms in self.kinds.items() for m in ms]
+        saved = [(m.dense_min_rows, m.act_bits) for _, m in methods]
+        try:
+            for kind, m in methods:  # the packed kernel at every row count
+                m.dense_min_rows, m.act_bits = 0, 8 if kind in eight else 16
+            return _nll(self.model, self.ids)
+        finally:
+            for (_, m), (rows, bits) in zip(methods, saved):
+                m.dense_min_rows, m.act_bits = rows, bits
+
+    def change(self, eight: set[str]) -> float:
+        return math.exp(self._nll(eight) - self.base) - 1
 
 
-def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibration_ids) -> int:
-    """8 or 16 for a model whose packed layers were built with act_bits "auto"; sets it on them.
-    calibration_ids(source, n): the first n tokens of the built-in text (QuantConfig.calibration_ids)."""
+def choose_kinds(kinds: list[str], change: Callable[[set[str]], float]) -> dict:
+    """The verdict: bits per kind, the chosen set's change and the measurements that led there.
+    change(kinds): the perplexity change with those kinds at 8 bits."""
+    every = change(set(kinds))
+    if every <= MAX_CHANGE:
+        return {"bits": {k: 8 for k in kinds}, "change": every, "every_kind_change": every}
+    alone = {k: change({k}) for k in kinds}
+    kept: set[str] = set()
+    kept_change, steps = 0.0, []
+    for kind in sorted(kinds, key=alone.get):
+        if alone[kind] > MAX_CHANGE:
+            break
+        c = alone[kind] if not kept else change(kept | {kind})
+        steps.append([kind, c])  # the change of the kinds kept so far with this one
+        if c <= MAX_CHANGE:
+            kept, kept_change = kept | {kind}, c
+    return {"bits": {k: 8 if k in kept else 16 for k in kinds}, "change": kept_change, "every_kind_change": every,
+            "alone": alone, "steps": steps}
+
+
+def _valid(entry) -> bool:
+    bits = entry.get("bits") if isinstance(entry, dict) else None
+    return bits in (8, 16) or (isinstance(bits, dict) and all(b in (8, 16) for b in bits.values()))
+
+
+def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibration_ids) -> dict[str, int]:
+    """The codes per layer kind for a model whose packed layers were built with act_bits "auto"; sets
+    them on the layers. calibration_ids(source, n): the first n tokens of the built-in text
+    (QuantConfig.calibration_ids)."""
     from tokenmill import distributed
 
     st = distributed.state()
-    if not packed_methods(model):
-        return 16
+    kinds = methods_by_kind(model)
+    if not kinds:
+        return {}
     if st.tp_size > 1 or st.pp_size > 1:
         set_act_bits(model, 16)
         logger.info("activation codes: 16-bit (auto is not measured with tensor or pipeline parallelism)")
-        return 16
+        return {k: 16 for k in kinds}
     key = fingerprint(Path(source.path), dtype)
     entry = VERDICTS.read().get(key)
-    cached = isinstance(entry, dict) and entry.get("bits") in (8, 16)  # else (hand-edited, older): measured
+    cached = _valid(entry)  # else (hand-edited, older): measured
     if not cached:
         from tokenmill.model.layers.quantization.calibration import max_positions
 
         t0 = time.perf_counter()
         ids = calibration_ids(source, min(TOKENS, max_positions(model)))
-        change = measure_change(model, ids)
-        entry = {"change": change, "bits": 8 if change <= MAX_CHANGE else 16, "tokens": len(ids),
+        trial = _Trial(model, ids)
+        entry = {**choose_kinds(sorted(kinds), trial.change), "tokens": len(ids),
                  "seconds": round(time.perf_counter() - t0, 2)}
         # gone models, and older verdicts of this model and dtype: dropped
         prefix = key.split("|codes", 1)[0] + "|"
         VERDICTS.put(key, entry, keep=lambda k: Path(k.split("|", 1)[0]).exists() and not k.startswith(prefix))
-    set_act_bits(model, entry["bits"])
-    logger.info("activation codes: %d-bit (8-bit codes measured %+.3f%% perplexity against 16-bit ones "
-                "on %d tokens of built-in text, limit %+.1f%%%s)", entry["bits"], 100 * entry["change"],
-                entry["tokens"], 100 * MAX_CHANGE, "; cached" if cached else f"; {entry['seconds']}s")
-    return entry["bits"]
+    bits = entry["bits"] if isinstance(entry["bits"], dict) else {k: entry["bits"] for k in kinds}
+    bits = {k: bits.get(k, 16) for k in kinds}
+    set_act_bits(model, bits)
+    eight = sorted(k for k, b in bits.items() if b == 8)
+    what = ("8-bit" if len(eight) == len(bits) else "16-bit" if not eight else
+            f"8-bit for {', '.join(eight)}, 16-bit for {', '.join(sorted(set(bits) - set(eight)))}")
+    logger.info("activation codes: %s (perplexity against 16-bit codes on %d tokens of built-in text: %+.3f%% "
+                "with these, %+.3f%% with 8 bits everywhere; limit %+.1f%%%s)", what, entry["tokens"],
+                100 * entry["change"], 100 * entry.get("every_kind_change", entry["change"]), 100 * MAX_CHANGE,
+                "; cached" if cached else f"; {entry['seconds']}s")
+    return bits

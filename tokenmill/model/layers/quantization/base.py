@@ -82,7 +82,9 @@ class QuantConfig(ABC):
         if getattr(self, "act_bits", None) == "auto":
             from tokenmill.model.layers.quantization.act_bits import choose_act_bits
 
-            self.act_bits = choose_act_bits(model, source, dtype, self.calibration_ids)
+            bits = choose_act_bits(model, source, dtype, self.calibration_ids)
+            # for a layer made after loading (none today): the codes of the most precise kind chosen
+            self.act_bits = max(bits.values(), default=16)
         from tokenmill.model.layers.quantization.crossover import choose_crossovers
 
         choose_crossovers(model, dtype)

@@ -66,10 +66,10 @@ def measure(ops, weight: torch.Tensor, qtype: int, n: int, k: int, act_bits: int
     return timings
 
 
-def _largest_layers(model: torch.nn.Module) -> dict[int, tuple]:
-    """Per main format of the packed layers that follow the policy: (its methods, the layer with the
-    most weights, the shard of that format)."""
-    found: dict[int, tuple] = {}
+def _largest_layers(model: torch.nn.Module) -> dict[tuple[int, int], tuple]:
+    """Per main format and activation codes of the packed layers that follow the policy: (their
+    methods, the layer with the most weights, the shard of that format)."""
+    found: dict[tuple[int, int], tuple] = {}
     for layer in model.modules():
         method = getattr(layer, "method", None)
         if not isinstance(method, PackedLinearMethod) or getattr(layer, "q_views", None) is None:
@@ -77,12 +77,12 @@ def _largest_layers(model: torch.nn.Module) -> dict[int, tuple]:
         if not wants_measurement(method.fixed_dense_min_rows):
             continue
         qt = method.main_qtype
-        methods, best, shard = found.get(qt, (set(), None, None))
+        methods, best, shard = found.get((qt, method.act_bits), (set(), None, None))
         methods.add(method)
         i = max((j for j, t in enumerate(method.qtypes) if t == qt), key=lambda j: layer.q_rows[j])
         if best is None or layer.q_rows[i] * layer.q_in > best.q_rows[shard] * best.q_in:
             best, shard = layer, i
-        found[qt] = (methods, best, shard)
+        found[qt, method.act_bits] = (methods, best, shard)
     return found
 
 
@@ -94,7 +94,7 @@ def cache_key(qtype: int, act_bits: int, dtype: torch.dtype) -> str:
 
 def choose_crossovers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
     """Measures (or reads back) the crossover of each format whose layers want it and sets it on
-    them; returns format name -> rows (0: the packed kernel at every row count)."""
+    them; returns "format, codes" (e.g. "Q4_K, 8-bit") -> rows (0: the packed kernel at every row count)."""
     from tokenmill import distributed
     from tokenmill.model.quant_kernels import quant_ops
 
@@ -104,8 +104,7 @@ def choose_crossovers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, i
         return {}
     ops = quant_ops()
     chosen = {}
-    for qt, (methods, layer, shard) in found.items():
-        bits = next(iter(methods)).act_bits
+    for (qt, bits), (methods, layer, shard) in found.items():
         name = BY_ID[qt].name
         key = cache_key(qt, bits, dtype)
         entry = VERDICTS.read().get(key)
@@ -121,7 +120,7 @@ def choose_crossovers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, i
             VERDICTS.put(key, entry)
         for method in methods:
             method.dense_min_rows = entry["rows"]
-        chosen[name] = entry["rows"]
+        chosen[f"{name}, {bits}-bit"] = entry["rows"]
         logger.info("%s products: %s (measured on this CPU, %d-bit codes, packed / dequantize + GEMM ms at %s%s)",
                     name, f"dequantize + GEMM from {entry['rows']} rows" if entry["rows"] else
                     "the packed kernel at every row count", bits,
