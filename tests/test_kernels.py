@@ -106,6 +106,25 @@ def test_verification_rows_equal_rows_alone(dtype, head_dim, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_of_other_sequences_with_rising_lengths(dtype):
+    """Rows whose lengths rise by one but whose tables part at a block only the longer ones reach
+    (different sequences sharing a cached prefix): each row reads its own table's keys, although a
+    run of rows takes the offsets of its longest row."""
+    torch.manual_seed(5)
+    block_size, num_blocks, head_dim, heads, kv_heads = 16, 32, 64, 9, 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    shared = torch.tensor([3, 17, 8, 11])
+    lens = [63, 64, 65, 66, 67]  # rows 2-4 reach a 5th block: row 2's and 3's is the same, row 4's its own
+    fifth = [0, 0, 20, 20, 21]
+    tables = torch.stack([torch.cat([shared, torch.tensor([f])]) for f in fifth])
+    q = torch.randn(len(lens), heads, head_dim, dtype=dtype)
+    out = torch.empty_like(q)
+    torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, tables, torch.tensor(lens), 0.125)
+    _rows_alone_and_sdpa(out, q, k_cache, v_cache, tables, lens, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 12, 2)])
 def test_prefill_rows_equal_rows_alone(dtype, head_dim, heads, kv_heads):
     """A prompt's tokens as rows of one table (lengths 1..L; the backend's paged prefill, and every

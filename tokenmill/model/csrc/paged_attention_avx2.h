@@ -80,10 +80,10 @@ inline void chunk_attention_avx2(const float* q, const C* k_cache, const C* v_ca
         const __m256 qv = _mm256_loadu_ps(qg + d);
         for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
       }
-      alignas(32) float sums[8];
+      // all 8 lanes stored: a chunk's scores have kAvx2Chunk places, and those past n are not read
+      // (copying n - i of them from a stack array had stalled on store-to-load forwarding)
       const __m256 dots = lane_sums8(acc);
-      _mm256_store_ps(sums, ks ? _mm256_mul_ps(dots, _mm256_loadu_ps(ks + i)) : dots);
-      std::copy(sums, sums + std::min<int64_t>(8, n - i), s + i);
+      _mm256_storeu_ps(s + i, ks ? _mm256_mul_ps(dots, _mm256_loadu_ps(ks + i)) : dots);
     }
     float m;
     part[G + g] = softmax_partial(s, n, m);
@@ -132,14 +132,16 @@ inline void decode_attention_avx2(float* out, const float* q, const C* k_cache, 
   // prompt's rows in batch-invariant mode) take each (kv head, chunk of keys) together: the chunk's
   // K/V rows come from DRAM once and stay in cache for the run's other rows, which each re-read them
   // before (a 17-row verification read its sequence's cache 17 times). Each row's arithmetic is
-  // unchanged, so is its result. At most kAvx2Run rows a run, for the threads' balance.
+  // unchanged, so is its result. At most kAvx2Run rows a run, for the threads' balance. Each row's
+  // table agrees with the row before it over that row's blocks, so every row's keys are the first
+  // of the longest row's: their offsets are worked out once a chunk, from it.
   constexpr int64_t kAvx2Run = 32;
   std::vector<int64_t> runs{0};  // run i: rows [runs[i], runs[i + 1])
   for (int64_t b = 1; b < B; ++b) {
-    const int64_t b0 = runs.back(), head_blocks = (std::max<int64_t>(seq_lens[b0], 0) + BS - 1) / BS;
-    const bool more = b - b0 < kAvx2Run && seq_lens[b] == seq_lens[b - 1] + 1 &&
-                      std::equal(block_tables + b * max_blocks, block_tables + b * max_blocks + head_blocks,
-                                 block_tables + b0 * max_blocks);
+    const int64_t prev_blocks = (std::max<int64_t>(seq_lens[b - 1], 0) + BS - 1) / BS;
+    const bool more = b - runs.back() < kAvx2Run && seq_lens[b] == seq_lens[b - 1] + 1 &&
+                      std::equal(block_tables + b * max_blocks, block_tables + b * max_blocks + prev_blocks,
+                                 block_tables + (b - 1) * max_blocks);
     if (!more) runs.push_back(b);
   }
   runs.push_back(B);
@@ -166,29 +168,32 @@ inline void decode_attention_avx2(float* out, const float* q, const C* k_cache, 
     t0 = local / Hkv * kAvx2Chunk;
     h = local % Hkv;
   };
+  // a task's keys: (run, chunk start, kv head) and its longest row's offsets and scale indices
+  struct TaskKeys {
+    int64_t ri, t0, h, n, off[kAvx2Chunk], at[kAvx2Chunk];
+  };
+  auto keys_of = [&](int64_t task, TaskKeys& t) {
+    task_of(task, t.ri, t.t0, t.h);
+    t.n = chunk_keys(runs[t.ri + 1] - 1, t.t0, t.h, t.off, t.at);
+    prefetch_chunk_rows(k_cache, v_cache, t.off, t.n, D);
+  };
   at::parallel_for(0, task_start.back(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores(G * kAvx2Chunk), weights(k_scale ? G * kAvx2Chunk : 0);
     float ks[kAvx2Chunk] = {}, vs[kAvx2Chunk] = {};
-    int64_t off[kAvx2Chunk], at[kAvx2Chunk], ahead[kAvx2Chunk], ahead_at[kAvx2Chunk];
-    auto prefetch = [&](int64_t task) {  // the task's longest row's keys (the run's others are among them)
-      int64_t ri, t0, h;
-      task_of(task, ri, t0, h);
-      const int64_t n = chunk_keys(runs[ri + 1] - 1, t0, h, ahead, ahead_at);
-      prefetch_chunk_rows(k_cache, v_cache, ahead, n, D);
-    };
-    prefetch(begin);
-    for (int64_t task = begin; task < end; ++task) {
-      int64_t ri, t0, h;
-      task_of(task, ri, t0, h);
-      if (task + 1 < end) prefetch(task + 1);
-      for (int64_t b = runs[ri]; b < runs[ri + 1]; ++b) {
+    TaskKeys bufs[2];
+    TaskKeys *cur = &bufs[0], *next = &bufs[1];
+    keys_of(begin, *cur);
+    for (int64_t task = begin; task < end; ++task, std::swap(cur, next)) {
+      if (task + 1 < end) keys_of(task + 1, *next);  // its K/V rows on their way while this one runs
+      const int64_t t0 = cur->t0, h = cur->h;
+      if (k_scale)
+        for (int64_t i = 0; i < cur->n; ++i) ks[i] = k_scale[cur->at[i]], vs[i] = v_scale[cur->at[i]];
+      for (int64_t b = runs[cur->ri]; b < runs[cur->ri + 1]; ++b) {
         if (seq_lens[b] <= t0) continue;  // a shorter row of the run ends before this chunk
-        const int64_t n = chunk_keys(b, t0, h, off, at);
+        const int64_t n = std::min(kAvx2Chunk, seq_lens[b] - t0);
         const float* qh = q + (b * H + h * G) * D;
         for (int64_t i = 0; i < G * D; ++i) qf[i] = qh[i] * scale;
-        if (k_scale)
-          for (int64_t i = 0; i < n; ++i) ks[i] = k_scale[at[i]], vs[i] = v_scale[at[i]];
-        chunk_attention_avx2(qf.data(), k_cache, v_cache, off, n, G, D, scores.data(),
+        chunk_attention_avx2(qf.data(), k_cache, v_cache, cur->off, n, G, D, scores.data(),
                              part_of(b, t0 / kAvx2Chunk, h), k_scale ? ks : nullptr, k_scale ? vs : nullptr,
                              weights.data());
       }
