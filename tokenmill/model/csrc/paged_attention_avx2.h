@@ -2,8 +2,8 @@
 // attention of a CPU without AVX512-BF16, whose engine runs in fp32. Against the portable kernel:
 // - each row's keys are split into 64-key chunks (flash-decoding), so that one stream keeps both
 //   threads busy whatever its number of kv heads (SmolLM2's 3 left one thread idle a third of the time);
-// - eight keys' dot products are summed across lanes together (one transpose of hadds), not one
-//   horizontal sum per score;
+// - four keys' dot products with up to three query heads at once (each key vector loaded once for
+//   them), summed across lanes together (one transpose of hadds), not one horizontal sum per score;
 // - the weighted values of 32 dimensions stay in registers over a chunk's keys.
 // The chunks depend only on a row's length, so a row's result does not depend on the batch.
 // The same path reads an int8 cache with a scale per token and kv head, or a bf16 one (quant_kv.cpp's
@@ -30,19 +30,13 @@ inline __m256 load8(const at::BFloat16* p) {  // bf16 is the top half of an fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 
-// lane t of the result: the sum of the lanes of v[t]
-inline __m256 lane_sums8(const __m256 v[8]) {
-  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  // ab: rows 0-3's sums of lanes 0-3, then of lanes 4-7; cd: the same for rows 4-7
-  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
-}
-
 // The weighted values of dimensions d0..d0+31 for GN query heads at once: each value vector is
 // loaded once for all of them, and the GN x 4 accumulators are independent FMA chains (one head's
-// 4 chains waited on the FMA latency). Each accumulator sums its keys in order, as before.
+// 4 chains waited on the FMA latency). Each accumulator sums its keys in order, as before. Not
+// inlined: inside the task loop GCC kept the one-head instance's accumulators on the stack, a store
+// and a reload a key (a third of a 7-head call's time, Qwen2.5-0.5B's).
 template <int GN, typename C>
-inline void chunk_values_avx2(const C* v_cache, const int64_t* off, int64_t n, const float* scores, int64_t D,
+__attribute__((noinline)) void chunk_values_avx2(const C* v_cache, const int64_t* off, int64_t n, const float* scores, int64_t D,
                               int64_t d0, float* a) {
   __m256 acc[GN][4];
   for (int g = 0; g < GN; ++g)
@@ -60,38 +54,82 @@ inline void chunk_values_avx2(const C* v_cache, const int64_t* off, int64_t n, c
     for (int c = 0; c < 4; ++c) _mm256_storeu_ps(a + g * D + d0 + 8 * c, acc[g][c]);
 }
 
-// One (row, kv head, chunk of keys): the G query heads' scores of the chunk's n keys, their maximum
-// and softmax numerators' sum, and the numerators' weighted values. part: G maxima, G sums, G x D.
-// ks, vs: the chunk's keys' scales (kAvx2Chunk of them readable), or null for an unscaled cache; then
-// weights holds the numerators times the value scales.
+// The scores of GN query heads (q: GN x D, scaled) against keys i..i+3 of a chunk, each key's
+// vectors loaded once for all GN heads (one head at a time, every product had loaded its key).
+// Per score: lane-wise FMA chains over d, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)),
+// the order of the 8-key transpose of hadds this replaced.
+template <int GN, typename C>
+__attribute__((always_inline)) inline void scores4_avx2(const float* q, const C* const k[4], int64_t D, float* s, const float* ks) {
+  __m256 acc[GN][4];
+  for (int g = 0; g < GN; ++g)
+    for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    __m256 qv[GN];
+    for (int g = 0; g < GN; ++g) qv[g] = _mm256_loadu_ps(q + g * D + d);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = load8(k[j] + d);
+      for (int g = 0; g < GN; ++g) acc[g][j] = _mm256_fmadd_ps(qv[g], kv, acc[g][j]);
+    }
+  }
+  for (int g = 0; g < GN; ++g) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+    const __m128 dots = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    // all 4 lanes stored: a chunk's scores have kAvx2Chunk places, and those past n are not read
+    _mm_storeu_ps(s + g * kAvx2Chunk, ks ? _mm_mul_ps(dots, _mm_loadu_ps(ks)) : dots);
+  }
+}
+
+// One query head's scores against keys i..i+7 (the arithmetic of scores4_avx2's, per score).
 template <typename C>
-inline void chunk_attention_avx2(const float* q, const C* k_cache, const C* v_cache, const int64_t* off, int64_t n,
-                                 int64_t G, int64_t D, float* scores, float* part, const float* ks = nullptr,
-                                 const float* vs = nullptr, float* weights = nullptr) {
-  for (int64_t g = 0; g < G; ++g) {
-    const float* qg = q + g * D;
-    float* s = scores + g * kAvx2Chunk;
+__attribute__((always_inline)) inline void scores8_avx2(const float* q, const C* const k[8], int64_t D, float* s, const float* ks) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
+  }
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  const __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+  _mm256_storeu_ps(s, ks ? _mm256_mul_ps(dots, _mm256_loadu_ps(ks)) : dots);
+}
+
+// One (row, kv head, chunk of keys), first half: the G query heads' scores of the chunk's n keys,
+// then their maximum and softmax numerators' sum (part: G maxima, G sums, then G x D values, written
+// by chunk_values_of). ks, vs: the chunk's keys' scales (kAvx2Chunk of them readable), or null for
+// an unscaled cache; then weights holds the numerators times the value scales.
+template <typename C>
+inline void chunk_scores_avx2(const float* q, const C* k_cache, const int64_t* off, int64_t n, int64_t G, int64_t D,
+                              float* scores, float* part, const float* ks = nullptr, const float* vs = nullptr,
+                              float* weights = nullptr) {
+  // heads in threes, the rest one at a time over 8 keys (Qwen2.5-0.5B's 7 as 3 + 3 + 1)
+  int64_t g0 = 0;
+  for (; g0 + 3 <= G; g0 += 3)
+    for (int64_t i = 0; i < n; i += 4) {
+      const C* k[4];
+      for (int j = 0; j < 4; ++j) k[j] = k_cache + off[std::min(i + j, n - 1)];  // a short tail repeats its last key
+      scores4_avx2<3>(q + g0 * D, k, D, scores + g0 * kAvx2Chunk + i, ks ? ks + i : nullptr);
+    }
+  for (; g0 < G; ++g0)
     for (int64_t i = 0; i < n; i += 8) {
       const C* k[8];
-      for (int j = 0; j < 8; ++j) k[j] = k_cache + off[std::min(i + j, n - 1)];  // a short tail repeats its last key
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qg + d);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
-      }
-      // all 8 lanes stored: a chunk's scores have kAvx2Chunk places, and those past n are not read
-      // (copying n - i of them from a stack array had stalled on store-to-load forwarding)
-      const __m256 dots = lane_sums8(acc);
-      _mm256_storeu_ps(s + i, ks ? _mm256_mul_ps(dots, _mm256_loadu_ps(ks + i)) : dots);
+      for (int j = 0; j < 8; ++j) k[j] = k_cache + off[std::min(i + j, n - 1)];
+      scores8_avx2(q + g0 * D, k, D, scores + g0 * kAvx2Chunk + i, ks ? ks + i : nullptr);
     }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * kAvx2Chunk;
     float m;
     part[G + g] = softmax_partial(s, n, m);
     part[g] = m;
     if (vs)
       for (int64_t i = 0; i < n; ++i) weights[g * kAvx2Chunk + i] = s[i] * vs[i];
   }
-  const float* w = vs ? weights : scores;
+}
+
+// Second half: the numerators' (w: G x kAvx2Chunk) weighted values into part's G x D.
+template <typename C>
+inline void chunk_values_of(const C* v_cache, const int64_t* off, int64_t n, int64_t G, int64_t D, const float* w,
+                            float* part) {
   for (int64_t g0 = 0; g0 < G; g0 += 3) {
     const int64_t gn = std::min<int64_t>(3, G - g0);
     float* a = part + 2 * G + g0 * D;
@@ -177,8 +215,14 @@ inline void decode_attention_avx2(float* out, const float* q, const C* k_cache, 
     t.n = chunk_keys(runs[t.ri + 1] - 1, t.t0, t.h, t.off, t.at);
     prefetch_chunk_rows(k_cache, v_cache, t.off, t.n, D);
   };
+  // A run's rows go through a chunk in groups of kAvx2Rows, by phase: every row's scores while the
+  // chunk's K rows are in L1, then every row's weighted values while its V rows are (one row at a
+  // time, its K and V together filled L1 and each next row re-read them from L2). Each row's
+  // arithmetic is unchanged.
+  constexpr int64_t kAvx2Rows = 8;
+  const int64_t row_scores = G * kAvx2Chunk;
   at::parallel_for(0, task_start.back(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores(G * kAvx2Chunk), weights(k_scale ? G * kAvx2Chunk : 0);
+    std::vector<float> qf(G * D), scores(kAvx2Rows * row_scores), weights(k_scale ? kAvx2Rows * row_scores : 0);
     float ks[kAvx2Chunk] = {}, vs[kAvx2Chunk] = {};
     TaskKeys bufs[2];
     TaskKeys *cur = &bufs[0], *next = &bufs[1];
@@ -188,14 +232,22 @@ inline void decode_attention_avx2(float* out, const float* q, const C* k_cache, 
       const int64_t t0 = cur->t0, h = cur->h;
       if (k_scale)
         for (int64_t i = 0; i < cur->n; ++i) ks[i] = k_scale[cur->at[i]], vs[i] = v_scale[cur->at[i]];
-      for (int64_t b = runs[cur->ri]; b < runs[cur->ri + 1]; ++b) {
-        if (seq_lens[b] <= t0) continue;  // a shorter row of the run ends before this chunk
-        const int64_t n = std::min(kAvx2Chunk, seq_lens[b] - t0);
-        const float* qh = q + (b * H + h * G) * D;
-        for (int64_t i = 0; i < G * D; ++i) qf[i] = qh[i] * scale;
-        chunk_attention_avx2(qf.data(), k_cache, v_cache, cur->off, n, G, D, scores.data(),
-                             part_of(b, t0 / kAvx2Chunk, h), k_scale ? ks : nullptr, k_scale ? vs : nullptr,
-                             weights.data());
+      const float* w = k_scale ? weights.data() : scores.data();
+      for (int64_t g0 = runs[cur->ri]; g0 < runs[cur->ri + 1]; g0 += kAvx2Rows) {
+        const int64_t g1 = std::min(g0 + kAvx2Rows, runs[cur->ri + 1]);
+        for (int64_t b = g0; b < g1; ++b) {
+          if (seq_lens[b] <= t0) continue;  // a shorter row of the run ends before this chunk
+          const float* qh = q + (b * H + h * G) * D;
+          for (int64_t i = 0; i < G * D; ++i) qf[i] = qh[i] * scale;
+          chunk_scores_avx2(qf.data(), k_cache, cur->off, std::min(kAvx2Chunk, seq_lens[b] - t0), G, D,
+                            scores.data() + (b - g0) * row_scores, part_of(b, t0 / kAvx2Chunk, h),
+                            k_scale ? ks : nullptr, k_scale ? vs : nullptr,
+                            k_scale ? weights.data() + (b - g0) * row_scores : nullptr);
+        }
+        for (int64_t b = g0; b < g1; ++b)
+          if (seq_lens[b] > t0)
+            chunk_values_of(v_cache, cur->off, std::min(kAvx2Chunk, seq_lens[b] - t0), G, D, w + (b - g0) * row_scores,
+                            part_of(b, t0 / kAvx2Chunk, h));
       }
     }
   });
