@@ -128,3 +128,22 @@ def test_kquant_model_drafting_for_itself(tiny_kquant, draft_quantization):
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate > (0.5 if draft_quantization else 0.9), stats
     del llm
     gc.collect()
+
+
+def test_auto_codes_leave_no_method_unset_with_an_untied_embedding(tiny_kquant, tmp_path, monkeypatch):
+    """An untied embedding's packed method only looks rows up, so `auto` measures no codes for it;
+    it still gets some (16), since the crossover measurement multiplies by every packed method."""
+    from tokenmill.model.layers.quantization import act_bits, crossover
+    from tokenmill.model.layers.quantization.packed import PackedLinearMethod
+    from tokenmill.model.loader.cache import VerdictFile
+
+    monkeypatch.setattr(act_bits, "VERDICTS", VerdictFile("act_bits.json", tmp_path / "bits.json"))
+    monkeypatch.setattr(crossover, "VERDICTS", VerdictFile("dense_crossover.json", tmp_path / "cross.json"))
+    llm = _llm(tiny_kquant, quant_dense_min_rows="measure")
+    model = llm.engine.core.worker.model
+    methods = {n: m.method for n, m in model.named_modules() if isinstance(getattr(m, "method", None),
+                                                                            PackedLinearMethod)}
+    assert methods["model.embed_tokens"] is not methods["lm_head"]  # untied: Q4_K table, Q6_K head
+    assert methods["model.embed_tokens"].act_bits == 16
+    assert all(m.act_bits in (8, 16) for m in methods.values())
+    assert llm.generate(_prompts(1), GREEDY, use_tqdm=False)[0].outputs[0].token_ids

@@ -32,8 +32,9 @@ struct Packed {
 };
 
 // ints per layer: has_bias, then per linear (qkv, o, gate_up, down): dense_min_rows, act_bits (each
-// kind has its own: act_bits.py), n, then n (qtype, rows); tensors per layer: in_norm, post_norm, k_cache, v_cache, k_scale, v_scale (empty for a
-// plain cache, or a bf16 one under fp32), [qkv bias], shards in order.
+// kind has its own: act_bits.py), n, then n (qtype, rows); tensors per layer: in_norm, post_norm,
+// k_cache, v_cache, k_scale, v_scale (empty for a plain cache, or a bf16 one under fp32), [qkv bias],
+// shards in order.
 struct LayerReader {
   const std::vector<at::Tensor>& t;
   at::IntArrayRef ints;

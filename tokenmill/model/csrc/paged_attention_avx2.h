@@ -36,8 +36,8 @@ inline __m256 load8(const at::BFloat16* p) {  // bf16 is the top half of an fp32
 // inlined: inside the task loop GCC kept the one-head instance's accumulators on the stack, a store
 // and a reload a key (a third of a 7-head call's time, Qwen2.5-0.5B's).
 template <int GN, typename C>
-__attribute__((noinline)) void chunk_values_avx2(const C* v_cache, const int64_t* off, int64_t n, const float* scores, int64_t D,
-                              int64_t d0, float* a) {
+__attribute__((noinline)) void chunk_values_avx2(const C* v_cache, const int64_t* off, int64_t n,
+                                                 const float* scores, int64_t D, int64_t d0, float* a) {
   __m256 acc[GN][4];
   for (int g = 0; g < GN; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm256_setzero_ps();
@@ -57,9 +57,10 @@ __attribute__((noinline)) void chunk_values_avx2(const C* v_cache, const int64_t
 // The scores of GN query heads (q: GN x D, scaled) against keys i..i+3 of a chunk, each key's
 // vectors loaded once for all GN heads (one head at a time, every product had loaded its key).
 // Per score: lane-wise FMA chains over d, then ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)),
-// the order of the 8-key transpose of hadds this replaced.
+// the order of scores8_avx2's transpose of hadds, so a head gets the same bits either way.
 template <int GN, typename C>
-__attribute__((always_inline)) inline void scores4_avx2(const float* q, const C* const k[4], int64_t D, float* s, const float* ks) {
+__attribute__((always_inline)) inline void scores4_avx2(const float* q, const C* const k[4], int64_t D, float* s,
+                                                        const float* ks) {
   __m256 acc[GN][4];
   for (int g = 0; g < GN; ++g)
     for (int j = 0; j < 4; ++j) acc[g][j] = _mm256_setzero_ps();
@@ -81,7 +82,8 @@ __attribute__((always_inline)) inline void scores4_avx2(const float* q, const C*
 
 // One query head's scores against keys i..i+7 (the arithmetic of scores4_avx2's, per score).
 template <typename C>
-__attribute__((always_inline)) inline void scores8_avx2(const float* q, const C* const k[8], int64_t D, float* s, const float* ks) {
+__attribute__((always_inline)) inline void scores8_avx2(const float* q, const C* const k[8], int64_t D, float* s,
+                                                        const float* ks) {
   __m256 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
@@ -185,7 +187,8 @@ inline void decode_attention_avx2(float* out, const float* q, const C* k_cache, 
   runs.push_back(B);
   const int64_t R = static_cast<int64_t>(runs.size()) - 1;
   std::vector<int64_t> task_start{0};  // run i's tasks: (chunk, kv head) of its longest row
-  for (int64_t i = 0; i < R; ++i) task_start.push_back(task_start.back() + (first[runs[i + 1]] - first[runs[i + 1] - 1]) * Hkv);
+  for (int64_t i = 0; i < R; ++i)
+    task_start.push_back(task_start.back() + (first[runs[i + 1]] - first[runs[i + 1] - 1]) * Hkv);
   // row b's keys t0.. of a chunk: their offsets in the cache and their scales' index; returns how many
   auto chunk_keys = [&](int64_t b, int64_t t0, int64_t h, int64_t* off, int64_t* at) {
     const int64_t n = std::min(kAvx2Chunk, seq_lens[b] - t0);
@@ -233,21 +236,21 @@ inline void decode_attention_avx2(float* out, const float* q, const C* k_cache, 
       if (k_scale)
         for (int64_t i = 0; i < cur->n; ++i) ks[i] = k_scale[cur->at[i]], vs[i] = v_scale[cur->at[i]];
       const float* w = k_scale ? weights.data() : scores.data();
-      for (int64_t g0 = runs[cur->ri]; g0 < runs[cur->ri + 1]; g0 += kAvx2Rows) {
-        const int64_t g1 = std::min(g0 + kAvx2Rows, runs[cur->ri + 1]);
-        for (int64_t b = g0; b < g1; ++b) {
+      for (int64_t r0 = runs[cur->ri]; r0 < runs[cur->ri + 1]; r0 += kAvx2Rows) {
+        const int64_t r1 = std::min(r0 + kAvx2Rows, runs[cur->ri + 1]);
+        for (int64_t b = r0; b < r1; ++b) {
           if (seq_lens[b] <= t0) continue;  // a shorter row of the run ends before this chunk
           const float* qh = q + (b * H + h * G) * D;
           for (int64_t i = 0; i < G * D; ++i) qf[i] = qh[i] * scale;
           chunk_scores_avx2(qf.data(), k_cache, cur->off, std::min(kAvx2Chunk, seq_lens[b] - t0), G, D,
-                            scores.data() + (b - g0) * row_scores, part_of(b, t0 / kAvx2Chunk, h),
+                            scores.data() + (b - r0) * row_scores, part_of(b, t0 / kAvx2Chunk, h),
                             k_scale ? ks : nullptr, k_scale ? vs : nullptr,
-                            k_scale ? weights.data() + (b - g0) * row_scores : nullptr);
+                            k_scale ? weights.data() + (b - r0) * row_scores : nullptr);
         }
-        for (int64_t b = g0; b < g1; ++b)
+        for (int64_t b = r0; b < r1; ++b)
           if (seq_lens[b] > t0)
-            chunk_values_of(v_cache, cur->off, std::min(kAvx2Chunk, seq_lens[b] - t0), G, D, w + (b - g0) * row_scores,
-                            part_of(b, t0 / kAvx2Chunk, h));
+            chunk_values_of(v_cache, cur->off, std::min(kAvx2Chunk, seq_lens[b] - t0), G, D,
+                            w + (b - r0) * row_scores, part_of(b, t0 / kAvx2Chunk, h));
       }
     }
   });

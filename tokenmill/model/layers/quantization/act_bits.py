@@ -67,10 +67,16 @@ def methods_by_kind(model: torch.nn.Module) -> dict[str, list[PackedLinearMethod
 
 
 def set_act_bits(model: torch.nn.Module, bits: int | dict[str, int]) -> None:
-    """bits: for every kind, or per kind (a kind not named: 16)."""
+    """bits: for every kind, or per kind (a kind not named: 16). An untied embedding's own method
+    only looks rows up; it takes 16, so that nothing is left "auto" (the crossover reads every
+    packed method's codes)."""
     for kind, methods in methods_by_kind(model).items():
         for method in methods:
             method.set_act_bits(bits if isinstance(bits, int) else bits.get(kind, 16))
+    for m in model.modules():
+        method = getattr(m, "method", None)
+        if isinstance(method, PackedLinearMethod) and method.act_bits == "auto":
+            method.set_act_bits(16)
 
 
 def fingerprint(path: Path, dtype: torch.dtype) -> str:
