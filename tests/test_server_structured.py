@@ -40,14 +40,15 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city", "days"]}}}
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "Current time",
                                               "parameters": {"type": "object", "properties": {}}}}
+# Room enough for any answer the schemas allow (their strings are bounded): the tests check the
+# grammar's output, not that SmolLM2's answer happens to fit a tight budget under any codes.
+ROOM = 256
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
 
 
 @pytest.fixture(scope="module")
 def server():
-    # these tests pin SmolLM2's answers to fit max_tokens; `auto` codes (8-bit for some layers since
-    # they are chosen per kind) made three sampled or tool-call answers run past it
-    srv = ServerProcess("--dtype", "float32", "--quant-act-bits", "16").wait_ready()
+    srv = ServerProcess("--dtype", "float32").wait_ready()
     yield srv
     assert srv.stop() == 0, srv.log()
     assert "Traceback" not in srv.log(), srv.log()
@@ -60,11 +61,11 @@ def client(server):
 
 def test_parse_with_pydantic_model(client):
     r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Describe Paris."}],
-                                      response_format=City, max_tokens=80, temperature=0)
+                                      response_format=City, max_tokens=ROOM, temperature=0)
     city = r.choices[0].message.parsed
     assert isinstance(city, City) and r.choices[0].finish_reason == "stop"
     r = client.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "Describe a city."}],
-                                      response_format=City, max_tokens=80, temperature=1.0, n=3, seed=4)
+                                      response_format=City, max_tokens=ROOM, temperature=1.0, n=3, seed=4)
     assert len(r.choices) == 3
     assert all(isinstance(c.message.parsed, City) for c in r.choices if c.finish_reason == "stop")
 
@@ -79,20 +80,20 @@ def _check_call(call, schema) -> dict:
 def test_tool_choice_required_named_auto(client):
     schema = WEATHER_TOOL["function"]["parameters"]
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL, TIME_TOOL],
-                                       tool_choice="required", max_tokens=80, temperature=0)
+                                       tool_choice="required", max_tokens=ROOM, temperature=0)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
     for call in choice.message.tool_calls:
         _check_call(call, schema if call.function.name == "get_weather" else {"type": "object"})
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL, TIME_TOOL],
                                        tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                       max_tokens=80, temperature=1.0, seed=2)
+                                       max_tokens=ROOM, temperature=1.0, seed=2)
     choice = r.choices[0]
     assert choice.finish_reason == "stop" and len(choice.message.tool_calls) == 1
     assert choice.message.tool_calls[0].function.name == "get_weather" and not choice.message.content
     _check_call(choice.message.tool_calls[0], schema)
     for seed in range(2):
-        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL], max_tokens=80,
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL], max_tokens=ROOM,
                                            temperature=1.0, seed=seed)
         choice = r.choices[0]
         if choice.message.tool_calls:
@@ -107,7 +108,7 @@ def test_tool_choice_required_named_auto(client):
 
 def test_streamed_tool_calls_match_non_streamed(client):
     kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
-                  max_tokens=80, temperature=0)
+                  max_tokens=ROOM, temperature=0)
     whole = client.chat.completions.create(**kwargs).choices[0]
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
     calls: dict[int, dict] = {}
@@ -125,7 +126,7 @@ def test_streamed_tool_calls_match_non_streamed(client):
         [(t.function.name, t.function.arguments) for t in whole.message.tool_calls]
     # the client's own stream helper (accumulates deltas, parses strict pydantic tools)
     with client.chat.completions.stream(model=MODEL, messages=ASK, tools=[openai.pydantic_function_tool(GetWeather)],
-                                        tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                        tool_choice="required", parallel_tool_calls=False, max_tokens=ROOM,
                                         temperature=0) as stream:
         final = stream.get_final_completion()
     parsed = final.choices[0].message.tool_calls[0].function.parsed_arguments
@@ -134,7 +135,7 @@ def test_streamed_tool_calls_match_non_streamed(client):
 
 def test_tool_results_sent_back(client):
     first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL], tool_choice="required",
-                                           max_tokens=80, temperature=0).choices[0].message
+                                           max_tokens=ROOM, temperature=0).choices[0].message
     history = ASK + [first.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": '{"forecast": "sunny, 24C"}'}]
     r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER_TOOL], tool_choice="none",

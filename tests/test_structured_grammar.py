@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured_output import GrammarSpec, StructuredOutputsParams
-from tokenmill.structured_output.compiler import GrammarCompiler, build_grammar, validate
+from tokenmill.structured_output.compiler import MAX_JSON_WHITESPACE, GrammarCompiler, build_grammar, validate
 from tokenmill.structured_output.json_schema import prepare_json_schema
 from tokenmill.structured_output.matcher import GrammarBitmasks, GrammarState
 
@@ -57,6 +57,10 @@ def test_choice_regex_grammar_json(compiler):
     assert accepts(compiler, obj, '{"a": [1, {"b": null}]}') and not accepts(compiler, obj, "[1]")
     tight = StructuredOutputsParams(json=schema, disable_any_whitespace=True).spec()
     assert accepts(compiler, tight, '{"age": 42}') and not accepts(compiler, tight, '{ "age": 42}')
+    # free whitespace is bounded per gap (MAX_JSON_WHITESPACE), as in llama.cpp's JSON grammars
+    gap = " " * MAX_JSON_WHITESPACE
+    assert accepts(compiler, js, '{' + gap + '"age":\n' + gap[1:] + '42}')
+    assert not accepts(compiler, js, '{"age":' + gap + ' 42}')
 
 
 @pytest.mark.parametrize("params, message", [

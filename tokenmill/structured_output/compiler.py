@@ -25,6 +25,7 @@ from tokenmill.structured_output.params import GrammarSpec
 logger = logging.getLogger(__name__)
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:123: "
+MAX_JSON_WHITESPACE = 20  # characters between two JSON tokens
 _PARAMS = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "structural_tag": "structural_tag"}
 
 
@@ -38,8 +39,11 @@ def build_grammar(spec: GrammarSpec, param: str = "structured_outputs") -> xgr.G
     try:
         if spec.kind == "json":
             schema = prepare_json_schema(parse_json_schema(spec.text, param), param)
+            # free whitespace is bounded per gap, as llama.cpp's JSON grammars bound it: a small
+            # model sampling a schema can otherwise spend every token between two keys
             return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=spec.any_whitespace,
-                                                strict_mode=True)
+                                                max_whitespace_cnt=MAX_JSON_WHITESPACE if spec.any_whitespace
+                                                else None, strict_mode=True)
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         if spec.kind == "grammar":
