@@ -169,3 +169,23 @@ def test_a_draft_model_is_not_tried_where_its_verification_would_be_compute_boun
     assert _timed(p, 1, on_s=0.03, off_s=0.018) > 0.9
     assert _timed(p, 2, on_s=0.04, off_s=0.02) > 0.8  # tried, and it pays
     assert _timed(p, 4, on_s=0.045, off_s=0.029) == 0
+
+
+def test_a_draft_model_keeps_a_slow_verdict_for_the_next_requests():
+    """A draft model's try catches up over the prompt and every token decoded without it: where its
+    requests measured speculation slower, the next ones start without it, and the wait to the next
+    try runs on across them; a try that finds speculation faster switches it on."""
+    p = SpecPolicy(costly_tries=True, explore_every=16, max_explore_every=64)
+    _run(p, 1, on_rate=50, off_rate=100, steps=100, admitted=(0, 0))
+    assert p.best(1) is False
+    tries = 0
+    for r in range(1, 9):  # eight more requests of 24 steps: 192 steps, 1 try per 64 at most
+        tries += 24 * _run(p, 1, on_rate=50, off_rate=100, steps=24, admitted=(r, r))
+    assert 1 <= tries <= 2 * (192 // 64 + 1)  # a try is a spec step and its confirming repeat
+    assert not p.speculate(1, admitted=(9, 9))  # a new request starts without speculation
+    # the workload changes (speculation now pays): found at the next try, and used
+    assert _run(p, 1, on_rate=300, off_rate=100, steps=200, admitted=(9, 9)) > 0.5
+    # without a draft model a new request measures both choices anew (n-gram tries are cheap)
+    q = SpecPolicy(explore_every=16, max_explore_every=64)
+    _run(q, 1, on_rate=50, off_rate=100, steps=100, admitted=(0, 0))
+    assert q.speculate(1, admitted=(1, 1))
