@@ -235,8 +235,8 @@ def test_few_rows_match_one_row_at_a_time(variant, name, bits):
 @pytest.mark.parametrize("bits", [8, 16])
 def test_many_rows_in_blocks_match_one_row_at_a_time(variant, name, bits):
     """Prefill-sized products: at K = 8960 the AVX-512 kernel splits 97 rows into blocks that stay in
-    L2 (40, 40, 17 rows) and tiles of 8, 8, ..., 6, 6, 5, the AVX2 one into blocks of 8 rows (4 with
-    16-bit codes) and a last of 1; every row still gets what it gets alone."""
+    L2 (40, 40, 17 rows) and tiles of 8, 8, ..., 6, 6, 5, the AVX2 one into 13 blocks of 7-8 rows (25
+    of 3-4 with 16-bit codes); every row still gets what it gets alone."""
     ops, qt = quant_ops(variant), FORMATS[name].id
     rng = np.random.default_rng(12)
     rows, k, m = 21, 8960, 97

@@ -84,19 +84,21 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
   // (5 rows as 4 + 1 cost 1.4x 4 rows; as one pass, 1.1x).
   // Rows also in blocks that stay in L2 while a thread's groups run over them: without blocks each
   // group streamed every row's codes (9 MB at 2048 rows of K = 4096), and the kernel ran at half its
-  // rate. Within a block the passes are as even as they go.
+  // rate.
   const int64_t max_rows = fine ? 4 : kMaxRows;
   const int64_t row_bytes = (fine ? 2 : 1) * K + (q16 ? 2 * K : 0) + K / 4;  // what the kernels read of a row
   const int64_t fit = std::max<int64_t>(max_rows, kRowBlockBytes / row_bytes / max_rows * max_rows);
   std::vector<std::pair<int64_t, int>> passes;  // (first row, rows)
   std::vector<size_t> row_blocks{0};  // the first pass of each block, then passes.size()
-  for (int64_t r0 = 0; r0 < M; r0 += fit) {
-    const int64_t n = std::min(fit, M - r0), np = (n + max_rows - 1) / max_rows;
+  const int64_t nblocks = (M + fit - 1) / fit;  // as even as they go too (66 rows of 64: 33 + 33)
+  for (int64_t blk = 0, r0 = 0; blk < nblocks; ++blk) {
+    const int64_t n = M / nblocks + (blk < M % nblocks), np = (n + max_rows - 1) / max_rows;
     for (int64_t p = 0, m0 = r0; p < np; ++p) {
       const int mr = static_cast<int>(n / np + (p < n % np));
       passes.emplace_back(m0, mr);
       m0 += mr;
     }
+    r0 += n;
     row_blocks.push_back(passes.size());
   }
   // work items: groups of 8 rows over all shards
