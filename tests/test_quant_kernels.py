@@ -158,30 +158,33 @@ def test_dequantize_to_bf16_rounds_each_float_to_nearest_even(variant, name):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_prefetch_distance_changes_no_result(variant):
-    """The one-row kernel's prefetch distance and cache level (set per CPU vendor at load) only move
-    reads earlier."""
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_prefetch_distance_changes_no_result(variant, name):
+    """The packed kernels' prefetch distance and cache level (set per CPU vendor at load) only move
+    reads earlier: with 8- and 16-bit codes (AVX2 runs Q4_K's 8-bit codes in its super-block kernel),
+    and with rows in one pass (prefetched) and in two (the second reads from cache)."""
     from tokenmill.model.quant_kernels import prefetch_ahead, prefetch_level
 
     rows, k = 72, 1536
     rng = np.random.default_rng(8)
-    w = random_blocks("Q4_K", rows, k, rng)
-    ops, qt = quant_ops(variant), FORMATS["Q4_K"].id
-    packed = _packed(variant, "Q4_K", w)
-    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    w = random_blocks(name, rows, k, rng)
+    ops, qt = quant_ops(variant), FORMATS[name].id
+    packed = _packed(variant, name, w)
+    x = torch.from_numpy(rng.standard_normal((9, k)).astype(np.float32))
+    cases = [(m, bits) for m in (1, 3, 9) for bits in (8, 16)]
     outs = []
     try:
         for dist in (0, 64, 1024, 4096, 1 << 20):
             for level in (1, 2):
                 ops.set_prefetch_ahead(dist, level)
-                for m in (1, 3):
+                for m, bits in cases:
                     out = torch.empty(m, rows)
-                    ops.qlinear(out, x[:m], [packed], [qt], [rows], None, 0, 16)
+                    ops.qlinear(out, x[:m], [packed], [qt], [rows], None, 0, bits)
                     outs.append(out)
     finally:
         ops.set_prefetch_ahead(prefetch_ahead(), prefetch_level())
     for i, out in enumerate(outs):
-        assert torch.equal(out, outs[i % 2]), i
+        assert torch.equal(out, outs[i % len(cases)]), i
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

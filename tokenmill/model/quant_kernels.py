@@ -41,10 +41,11 @@ VARIANT_FLAGS = {
                     "-mavx512vnni", "-mavx512bf16"],
 }
 # Bytes the packed GEMV prefetches each weight stream ahead, per CPU vendor (others: 1 KiB, the best
-# on a Xeon), capped at one 8-row group. An AMD EPYC streams Qwen-1.5B's layers from DRAM 1.3-1.5x
-# faster at 4 KiB than at 1, and decodes it 1.09x faster again at 16 KiB (a whole group ahead for
-# gate_up and the LM head; flat from 12 to 64 KiB) than at 4 (benchmarks/quant_gemv_bandwidth.py;
-# BENCHMARKS.md, issue 8).
+# on a Xeon); with AVX-512 capped at one 8-row group. An AMD EPYC streams Qwen-1.5B's layers from DRAM
+# 1.3-1.5x faster at 4 KiB than at 1, and decodes it 1.09x faster again at 16 KiB (a whole group ahead
+# for gate_up and the LM head; flat from 12 to 64 KiB) than at 4. The AVX2 kernels' one stream a
+# thread, 16 KiB ahead into L2 on a Zen 3: 1.1-1.4x the GB/s of no prefetch, L1 or 4 KiB alike
+# (benchmarks/quant_gemv_bandwidth.py; BENCHMARKS.md, issue 8).
 PREFETCH_AHEAD = {"AuthenticAMD": 16384}
 # The cache level those prefetches fill, per CPU vendor and family (others: 1, L1). An AMD EPYC Zen 4
 # (family 25) decoded Qwen-1.5B 1.17-1.40x faster into L2 (2), SmolLM2 1.09-1.26x; a Zen 5 (26)

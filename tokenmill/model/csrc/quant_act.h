@@ -55,6 +55,34 @@ struct ActRow {
   const int16_t* q16;  // 256 xq + xr, or null: for the AVX2 kernel's 8-bit signed weights (act_q16)
 };
 
+// Bytes each weight stream is prefetched ahead of the chunk being read (set_prefetch_ahead). Without
+// it the kernels are latency-bound on DRAM (with AVX-512 the hardware prefetcher alone streamed ~9-10
+// GB/s where a plain read runs ~17; the AVX2 kernel 13 against 18-20 on a Zen 3). The best distance
+// depends on the CPU kind (quant_kernels.py sets it at load: 1 KiB on a Xeon, 16 KiB on an AMD EPYC;
+// BENCHMARKS.md, issue 8).
+inline int64_t g_prefetch_ahead = 1024;
+// Into L1 (level 1) or L2 (level 2). An AMD EPYC Zen 4 streamed Qwen-1.5B's layers 1.3x faster into
+// L2: prefetches into L1 wait for its few miss buffers, and evict what the kernel reads.
+inline int g_prefetch_level = 1;
+
+// One thread's weight stream through consecutive groups (the AVX2 and portable kernels): each
+// chunk read calls upto(its end), which prefetches every line to g_prefetch_ahead bytes past it, on
+// into the groups that follow in memory. A group that does not follow the last one restarts it.
+struct StreamPrefetch {
+  const uint8_t* next = nullptr;  // the first byte not yet prefetched
+  const uint8_t* expect = nullptr;  // where the last group ended
+  void start(const uint8_t* group, int64_t group_bytes) {
+    if (group != expect) next = group;
+    expect = group + group_bytes;
+  }
+  inline void upto(const uint8_t* read_end) {
+    for (const uint8_t* e = read_end + g_prefetch_ahead; next < e; next += 64) {
+      if (g_prefetch_level == 2) __builtin_prefetch(next, 0, 2);
+      else __builtin_prefetch(next, 0, 3);
+    }
+  }
+};
+
 constexpr int kMaxUp = 3;  // with 2^3 the integer sums of a Q6_K super-block stay within int32
 
 // Whether rows carry q16: 16-bit codes for 8-bit signed weights without AVX-512 (2K more bytes a row,
@@ -262,10 +290,12 @@ bool dispatch_qtype(int qtype, Fn&& f) {
 
 // The AVX2 / scalar kernel (quant_gemm_x8.cpp): out[m][r] = row r of an x8 group . activation row
 // m, for m < mr <= 8.
-bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, bool fine, float out[][8]);
+bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, bool fine, float out[][8],
+                    StreamPrefetch* pf = nullptr);
 // The same for Q4_K and Q5_K against 8-bit codes with pow2 scales (quant_gemm_x8sb.cpp): the
 // sub-block scales in integers; false for other types, or without AVX2.
-bool group_dot_rows_sb(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, float out[][8]);
+bool group_dot_rows_sb(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, float out[][8],
+                       StreamPrefetch* pf = nullptr);
 
 // The AVX-512 kernel (quant_gemm_rows.cpp): out[m][r] = row r of the 16 rows of groups g0 (rows
 // 0-7) and g1 (8-15) . activation row m, for m < mr <= kPairRows; false when this variant has none.

@@ -109,11 +109,13 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
   // pass's codes from L2 again (5-9% of the kernel's rate at K = 1536). Longer rows fit no L1.
   const int64_t block = passes.size() > 1 && kMaxRows * K <= 16384 ? 8 : 1;
   at::parallel_for(0, starts.back(), 4, [&](int64_t b, int64_t e) {
+    StreamPrefetch stream;  // the first pass reads the weights from memory; later ones from cache
     for (size_t rb = 0; rb + 1 < row_blocks.size(); ++rb)
     for (int64_t b0 = b; b0 < e; b0 += block) {
       const int64_t b1 = std::min(e, b0 + block);
       for (size_t pass = row_blocks[rb]; pass < row_blocks[rb + 1]; ++pass) {
         const auto [m0, mr] = passes[pass];
+        StreamPrefetch* pf = rb == 0 && pass == 0 && g_prefetch_ahead ? &stream : nullptr;
         size_t si = 0;
         for (int64_t item = b0; item < b1; ++item) {
           while (item >= starts[si + 1]) ++si;
@@ -122,8 +124,9 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
           const uint8_t* group = sh.w + gi * sh.gb;
           const int nr = static_cast<int>(std::min<int64_t>(8, sh.rows - gi * 8));
           float res[kMaxRows][8];
-          if (!sb || !group_dot_rows_sb(sh.qtype, group, K, &rows[m0], mr, res))
-            group_dot_rows(sh.qtype, group, K, &rows[m0], mr, fine, res);
+          if (pf) pf->start(group, sh.gb);
+          if (!sb || !group_dot_rows_sb(sh.qtype, group, K, &rows[m0], mr, res, pf))
+            group_dot_rows(sh.qtype, group, K, &rows[m0], mr, fine, res, pf);
           const int64_t col = sh.first + gi * 8;
           for (int64_t m = 0; m < mr; ++m)
             for (int r = 0; r < nr; ++r)

@@ -105,11 +105,6 @@ __attribute__((noinline)) void pair_dot_t(const uint8_t* g0, const uint8_t* g1, 
 
 }  // namespace
 
-void set_prefetch_ahead(int64_t bytes, int64_t level) {
-  zmm::g_prefetch_ahead = std::max<int64_t>(bytes, 0) / 64 * 64;
-  zmm::g_prefetch_level = level == 2 ? 2 : 1;
-}
-
 void pack_tile(const ActRow* a, int mr, int64_t K, bool fine, uint8_t* dst) {
   const int CB = tile_code_bytes(fine);
   for (int64_t c = 0; c < K / 32; ++c) {
@@ -142,8 +137,6 @@ bool pair_dot(int qtype, const uint8_t* g0, const uint8_t* g1, int64_t K, const 
 
 #else
 
-void set_prefetch_ahead(int64_t, int64_t) {}
-
 void pack_tile(const ActRow*, int, int64_t, bool, uint8_t*) {}
 
 bool pair_dot(int, const uint8_t*, const uint8_t*, int64_t, const uint8_t*, int, bool, const Ahead&, float[][16]) {
@@ -151,5 +144,10 @@ bool pair_dot(int, const uint8_t*, const uint8_t*, int64_t, const uint8_t*, int,
 }
 
 #endif
+
+void set_prefetch_ahead(int64_t bytes, int64_t level) {
+  g_prefetch_ahead = std::max<int64_t>(bytes, 0) / 64 * 64;
+  g_prefetch_level = level == 2 ? 2 : 1;
+}
 
 }  // namespace TM_QUANT_NS

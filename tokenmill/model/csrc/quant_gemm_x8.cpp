@@ -43,7 +43,7 @@ TM_INLINE inline void signed_fine_sums(const uint8_t* body, const ActRow* a, int
 
 // out[m][r] (m < MR, r < 8) = row r of a group . activation row m
 template <int QT, int MR, bool RES>
-void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8]) {
+void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8], StreamPrefetch* pf) {
   constexpr X8Geom g = x8_geom(QT);
   constexpr int cpb = g.qk / 32;
 #if defined(__AVX2__)
@@ -68,6 +68,7 @@ void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8])
     for (int k = 0; k < cpb; ++k) {
       const int64_t c = b * cpb + k;
       const uint8_t* body = h + g.block_head + k * g.body;
+      if (pf) pf->upto(body + g.body);
       __m256i u8[8];  // 5 and 6 bits: all vectors decoded at once (their high-bit planes are shared)
       if constexpr (kB == 5 || kB == 6) decode_ymm<kB>(body, u8);
       auto u = [&](auto jc) TM_INLINE {  // weights 4j..4j+3 of each row, as bytes
@@ -142,6 +143,7 @@ void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8])
   uint8_t u[8][32];
   for (int64_t c = 0; c < K / 32; ++c) {
     const uint8_t* body = x8_block(group, g, c / cpb) + g.block_head + (c % cpb) * g.body;
+    if (pf) pf->upto(body + g.body);
     X8Scales s;
     x8_chunk_scales(QT, group, g, c, s);
     x8_chunk_bytes(body, g, u);
@@ -168,12 +170,13 @@ void group_dot(const uint8_t* group, int64_t K, const ActRow* a, float out[][8])
 
 }  // namespace
 
-bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, bool fine, float out[][8]) {
+bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, bool fine, float out[][8],
+                    StreamPrefetch* pf) {
   return dispatch_qtype(qtype, [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     auto run = [&](auto res_tag) {
       constexpr bool R = decltype(res_tag)::value;
-      dispatch_rows(mr, [&](auto rows) { group_dot<QT, decltype(rows)::value, R>(group, K, a, out); });
+      dispatch_rows(mr, [&](auto rows) { group_dot<QT, decltype(rows)::value, R>(group, K, a, out, pf); });
     };
     if (fine) run(std::true_type{});
     else run(std::false_type{});

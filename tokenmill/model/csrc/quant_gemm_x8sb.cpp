@@ -16,7 +16,7 @@ namespace TM_QUANT_NS {
 namespace {
 
 template <int QT, int MR>
-void group_dot_sb(const uint8_t* group, int64_t K, const ActRow* a, float out[][8]) {
+void group_dot_sb(const uint8_t* group, int64_t K, const ActRow* a, float out[][8], StreamPrefetch* pf) {
   constexpr X8Geom g = x8_geom(QT);
   constexpr int kB = kBits<QT>;
   // unsigned codes of 4 (5) bits against int8 codes: 8 (4) maddubs pairs add up in int16 exactly
@@ -34,6 +34,7 @@ void group_dot_sb(const uint8_t* group, int64_t K, const ActRow* a, float out[][
     for (int k = 0; k < 8; ++k) {
       const int64_t c = b * 8 + k;
       const uint8_t* body = h + g.block_head + k * g.body;
+      if (pf) pf->upto(body + g.body);
       __m256i u8[8];
       if constexpr (kB == 5) decode_ymm<5>(body, u8);
       auto u = [&](auto jc) TM_INLINE {
@@ -96,10 +97,11 @@ void group_dot_sb(const uint8_t* group, int64_t K, const ActRow* a, float out[][
 
 }  // namespace
 
-bool group_dot_rows_sb(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, float out[][8]) {
+bool group_dot_rows_sb(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, float out[][8],
+                       StreamPrefetch* pf) {
   auto run = [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
-    dispatch_rows(mr, [&](auto rows) { group_dot_sb<QT, decltype(rows)::value>(group, K, a, out); });
+    dispatch_rows(mr, [&](auto rows) { group_dot_sb<QT, decltype(rows)::value>(group, K, a, out, pf); });
   };
   switch (qtype) {
     case Q4_K: run(std::integral_constant<int, Q4_K>{}); return true;
@@ -110,7 +112,7 @@ bool group_dot_rows_sb(int qtype, const uint8_t* group, int64_t K, const ActRow*
 
 #else
 
-bool group_dot_rows_sb(int, const uint8_t*, int64_t, const ActRow*, int, float[][8]) { return false; }
+bool group_dot_rows_sb(int, const uint8_t*, int64_t, const ActRow*, int, float[][8], StreamPrefetch*) { return false; }
 
 #endif
 

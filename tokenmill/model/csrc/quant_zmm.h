@@ -103,15 +103,6 @@ inline __m512i dp(__m512i acc, __m512i w, __m512i x) {
   }
 }
 
-// Bytes each weight stream is prefetched ahead of the chunk being read. Without it the kernel is
-// latency-bound on DRAM (the hardware prefetcher alone streamed ~9-10 GB/s where a plain read runs
-// ~17 GB/s). The best distance depends on the CPU kind (quant_kernels.py sets it at load: 1 KiB on
-// a Xeon, 16 KiB on an AMD EPYC; BENCHMARKS.md, issue 8).
-inline int64_t g_prefetch_ahead = 1024;
-// Into L1 (level 1) or L2 (level 2). An AMD EPYC Zen 4 streamed Qwen-1.5B's layers 1.3x faster into
-// L2: prefetches into L1 wait for its few miss buffers, and evict what the kernel reads.
-inline int g_prefetch_level = 1;
-
 // Keeps the two groups' streams `dist` bytes ahead of chunk c (of C) being read, into the next item.
 struct Prefetcher {
   const uint8_t *g0, *g1;
