@@ -189,3 +189,20 @@ def test_a_draft_model_keeps_a_slow_verdict_for_the_next_requests():
     q = SpecPolicy(explore_every=16, max_explore_every=64)
     _run(q, 1, on_rate=50, off_rate=100, steps=100, admitted=(0, 0))
     assert q.speculate(1, admitted=(1, 1))
+
+
+def test_a_fast_verdict_carries_over_to_the_next_requests():
+    """Where speculation measured faster, the bucket keeps its averages when its requests finish: a
+    new request starts with it and the wait to the next try runs on. Measured anew, every request at
+    one stream spent a step without it and tries 16 and 48 steps in, each a whole verification's
+    tokens lost. Speculation is measured every step it runs, so a changed workload turns it off."""
+    p = SpecPolicy(explore_every=16, max_explore_every=64)
+    _run(p, 1, on_rate=300, off_rate=100, steps=100, admitted=(0, 0))
+    assert p.best(1) is True
+    off = 0
+    for r in range(1, 9):  # eight more requests of 24 steps: 192 steps, 1 try per 64 at most
+        off += round(24 * (1 - _run(p, 1, on_rate=300, off_rate=100, steps=24, admitted=(r, r))))
+    assert off <= 192 // 64 + 1  # forgetting the verdict: 2 or 3 steps without speculation a request
+    assert p.speculate(1, admitted=(9, 9))  # a new request starts with speculation
+    # the workload changes (speculation now costs): its average falls within a few steps
+    assert _run(p, 1, on_rate=50, off_rate=100, steps=200, admitted=(9, 9)) < 0.5

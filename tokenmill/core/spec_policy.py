@@ -22,8 +22,14 @@ averages, tries and backoff are dropped and it measures both choices anew. Other
 measured in the tail of a concurrent run (its last, worst-matched requests, where speculation
 measured slower) kept that verdict for the next workload, and its exponential average needed several
 tries, 16, 32 and 64 steps apart, to recover (one stream after concurrency 64: 1.0x against 1.6x on
-a fresh engine). At one stream this is each new request: two measuring steps per request. A busy
-large bucket is forgotten only after a whole batch's worth of requests has come and gone.
+a fresh engine). A busy large bucket is forgotten only after a whole batch's worth of requests has
+come and gone. A bucket that measured speculation faster keeps its averages instead: the chosen
+choice is measured every step, so its average follows a change of workload within a few steps (a
+try then finds the other faster), and it is the unchosen one, measured only at tries, whose stale
+average lags. Forgotten, each request at one stream spent a step without speculation to measure it
+anew and its first tries 16 and 48 steps in, each a whole verification's tokens lost, and a first
+speculating step that met new text (no n-gram match) could decide against it on one sample, for
+as long as the tries' stale average took to recover (BENCHMARKS.md).
 With a draft model (costly tries, below) a bucket that measured speculation slower keeps that
 much: its next requests start without speculation, and the wait to the next try runs on across
 them (up to `max_explore_every` steps). Measured anew each request, the first speculating step's
@@ -140,6 +146,10 @@ class SpecPolicy:
         """Drop the buckets whose measured requests have all finished (admitted before `oldest`)."""
         for b in [b for b, newest in self.last_batch.items() if newest < oldest]:
             del self.last_batch[b]
+            if b == self.bucket(1):
+                self.length.forget_costs()
+            if self.best(b) is True:
+                continue  # speculation faster: its average follows every step, so it stays (docstring)
             verdict = self.best(b)
             if self.costly_tries and (verdict is False or (verdict is None and b in self.slow_before)):
                 self.slow_before.add(b)  # its wait (and backoff) run on, across requests, to the next try
@@ -152,8 +162,6 @@ class SpecPolicy:
             for on in (True, False):
                 self.rate.pop((b, on), None)
             self.plain_seconds.pop(b, None)
-            if b == self.bucket(1):
-                self.length.forget_costs()
 
     def speculate(self, num_running: int, prefill_pending: bool = False,
                   admitted: tuple[int, int] = (0, 0)) -> bool:
