@@ -23,8 +23,8 @@ measured in the tail of a concurrent run (its last, worst-matched requests, wher
 measured slower) kept that verdict for the next workload, and its exponential average needed several
 tries, 16, 32 and 64 steps apart, to recover (one stream after concurrency 64: 1.0x against 1.6x on
 a fresh engine). A busy large bucket is forgotten only after a whole batch's worth of requests has
-come and gone. A bucket that measured speculation faster keeps its averages instead: the chosen
-choice is measured every step, so its average follows a change of workload within a few steps (a
+come and gone. A bucket that measured speculation faster keeps its averages instead: the choice in
+use is measured every step, so its average follows a change of workload within a few steps (a
 try then finds the other faster), and it is the unchosen one, measured only at tries, whose stale
 average lags. Forgotten, each request at one stream spent a step without speculation to measure it
 anew and its first tries 16 and 48 steps in, each a whole verification's tokens lost, and a first
@@ -148,9 +148,9 @@ class SpecPolicy:
             del self.last_batch[b]
             if b == self.bucket(1):
                 self.length.forget_costs()
-            if self.best(b) is True:
-                continue  # speculation faster: its average follows every step, so it stays (docstring)
             verdict = self.best(b)
+            if verdict is True:
+                continue  # speculation faster: its average follows every step, so it stays (docstring)
             if self.costly_tries and (verdict is False or (verdict is None and b in self.slow_before)):
                 self.slow_before.add(b)  # its wait (and backoff) run on, across requests, to the next try
                 self.wait.setdefault(b, self.max_explore_every)
