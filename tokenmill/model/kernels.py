@@ -32,13 +32,14 @@ from tokenmill.utils.cpu import active_isa
 
 logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "elementwise.cpp",
-                                                                    "decode_layers.cpp", "sampling.cpp")]
+                                                                    "decode_layers.cpp", "sampling.cpp",
+                                                                    "prefill_attention.cpp")]
 _HEADERS = tuple(Path(__file__).parent / "csrc" / h
                  for h in ("paged_attention_avx2.h", "paged_attention_avx512.h", "paged_attention_keys.h",
                            "paged_attention_values.h", "paged_attention_tasks.h"))
 _NAME = "tokenmill_cpu_kernels"
 _OPS = ("paged_decode_attention", "paged_decode_attention_scaled", "rms_norm", "silu_and_mul", "rotary_embedding",
-        "decode_layers", "argmax_rows")
+        "decode_layers", "argmax_rows", "prefill_attention")
 _lock = threading.Lock()
 _loaded: bool | None = None
 unavailable_reason: str | None = None  # why the kernels could not be built or loaded, for error messages

@@ -96,6 +96,7 @@ class Worker:
         self.fused_ops = self.backend.name == "cpu_paged" and self.model.use_cpu_kernels()
         if self.backend.name == "cpu_paged":
             self.backend.enable_paged_prefill(self.dtype)
+            self.backend.enable_prefill_kernel(self.dtype)
         if config.kernel.batch_invariant:
             if self.backend.name != "cpu_paged":
                 raise ConfigError("batch_invariant needs the cpu_paged attention backend (CPU, C++ kernels)",

@@ -2,7 +2,9 @@
 (no gather copy; 2.5-3x faster than gather + SDPA at 64 sequences, see csrc/). Prompt tokens go
 through the same kernel where it measured faster than SDPA's flash attention (`paged_prefill`:
 bf16 on AVX-512 without AMX, each token a row over the keys up to itself: one layer 1.1-2.6x SDPA
-from 128 to 4096 tokens on an AMD EPYC, BENCHMARKS.md); elsewhere they use SDPA as in the portable backend.
+from 128 to 4096 tokens on an AMD EPYC, BENCHMARKS.md). In fp32 with AVX2 a prompt chunk goes through
+csrc/prefill_attention.cpp (blocked like a GEMM, with an online softmax; `prefill_kernel`); elsewhere
+prompts use SDPA as in the portable backend.
 
 In batch-invariant mode (`per_row`), every token, prompt tokens included, goes through the decode
 kernel as its own query over the keys before it: its result then depends on nothing but its own
@@ -26,6 +28,9 @@ class PagedDecodes:
     seq_lens: torch.Tensor  # [num_decodes] int64
 
 
+# ISA levels where fp32 prompts take the blocked prompt kernel (measured against SDPA on an AVX2 EPYC;
+# with AVX-512, SDPA's wider GEMMs were not measured against it).
+PREFILL_KERNEL_ISAS = ("avx2",)
 # ISA levels where the decode kernel runs prompts too. AMX is left to SDPA (not measured: its bf16
 # GEMMs may use the tiles).
 PAGED_PREFILL_ISAS = ("avx512", "avx512_bf16")
@@ -35,6 +40,7 @@ class CPUPagedBackend(TorchSDPABackend):
     name = "cpu_paged"
     per_row = False  # batch-invariant mode
     paged_prefill = False  # prompt tokens through the decode kernel too (see the module's docstring)
+    prefill_kernel = False  # fp32 prompt chunks through csrc/prefill_attention.cpp
 
     @staticmethod
     def available(device: torch.device, head_dim: int) -> bool:
@@ -48,10 +54,21 @@ class CPUPagedBackend(TorchSDPABackend):
         self.paged_prefill = dtype == torch.bfloat16 and active_isa() in PAGED_PREFILL_ISAS
         return self.paged_prefill
 
+    def enable_prefill_kernel(self, dtype: torch.dtype) -> bool:
+        from tokenmill.utils.cpu import active_isa
+
+        self.prefill_kernel = dtype == torch.float32 and active_isa() in PREFILL_KERNEL_ISAS
+        return self.prefill_kernel
+
     def build_metadata(self, layout: BatchLayout) -> SDPAMetadata:
         has_prefill = layout.num_decodes < len(layout.query_lens)
         if not (self.per_row or (self.paged_prefill and has_prefill)):
-            return super().build_metadata(layout)
+            meta = super().build_metadata(layout)
+            if self.prefill_kernel:
+                for i, p in zip(range(layout.num_decodes, len(layout.query_lens)), meta.prefills):
+                    nb = (p.ctx_len + self.block_size - 1) // self.block_size
+                    p.table = torch.tensor(layout.block_tables[i][:nb], dtype=torch.long)
+            return meta
         bs = self.block_size
         lens = torch.cat([torch.arange(ctx - q + 1, ctx + 1) for q, ctx in zip(layout.query_lens, layout.seq_lens)])
         tables = torch.zeros(len(lens), (max(layout.seq_lens) + bs - 1) // bs, dtype=torch.long)
@@ -69,6 +86,11 @@ class CPUPagedBackend(TorchSDPABackend):
         nd = meta.num_decodes
         torch.ops.tokenmill.paged_decode_attention(out[:nd], q[:nd].contiguous(), k_cache, v_cache,
                                                    meta.decodes.tables, meta.decodes.seq_lens, scale)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, p, scale: float, out) -> None:
+        if p.table is None or not torch.ops.tokenmill.prefill_attention(
+                out[p.start:p.end], q[p.start:p.end], k_cache, v_cache, p.table, p.ctx_len, scale):
+            super()._prefill(q, k, v, k_cache, v_cache, p, scale, out)
 
     def forward(self, q, k, v, kv_cache, meta: SDPAMetadata, scale: float) -> torch.Tensor:
         if not isinstance(kv_cache, QuantizedKVCache):

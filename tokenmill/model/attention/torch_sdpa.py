@@ -24,6 +24,7 @@ class PrefillChunk:
     ctx_len: int  # cached + new tokens
     block_ids: torch.Tensor | None  # blocks covering ctx_len (None: no cached context)
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = attend
+    table: torch.Tensor | None = None  # int64 blocks covering ctx_len, for a backend's own prompt kernel
 
 
 @dataclass
@@ -99,7 +100,6 @@ class TorchSDPABackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, meta: SDPAMetadata, scale: float) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
-        gqa = num_heads != num_kv_heads
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         # Write this step's K/V into their slots first: every read below sees them.
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
@@ -109,17 +109,22 @@ class TorchSDPABackend(AttentionBackend):
         if meta.num_decodes:
             self._decode(q, out, k_cache, v_cache, meta, scale)
         for p in meta.prefills:
-            qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
-            if p.block_ids is None:
-                kp = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
-                vp = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
-            else:
-                kp = self._gather(k_cache, p.block_ids, 1, p.ctx_len)
-                vp = self._gather(v_cache, p.block_ids, 1, p.ctx_len)
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
-            out[p.start:p.end] = op.squeeze(0).transpose(0, 1)
+            self._prefill(q, k, v, k_cache, v_cache, p, scale, out)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _prefill(self, q, k, v, k_cache, v_cache, p: PrefillChunk, scale: float, out) -> None:
+        """One prompt chunk's rows of `out`, its K/V already in the cache."""
+        gqa = q.shape[1] != k.shape[1]
+        qp = q[p.start:p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q_len, D]
+        if p.block_ids is None:
+            kp = k[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            vp = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            kp = self._gather(k_cache, p.block_ids, 1, p.ctx_len)
+            vp = self._gather(v_cache, p.block_ids, 1, p.ctx_len)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa)
+        out[p.start:p.end] = op.squeeze(0).transpose(0, 1)
 
     def _decode(self, q, out, k_cache, v_cache, meta: SDPAMetadata, scale: float) -> None:
         nd, d = meta.num_decodes, meta.decodes
