@@ -1,6 +1,6 @@
 """Builds and loads tokenmill's C++ CPU kernels (torch ops under `torch.ops.tokenmill`): paged
-decode attention, RMSNorm (+ residual), SiLU-and-mul, rotary embedding, the fused decode layers and a
-greedy row argmax (sources in csrc/).
+decode attention, fp32 prompt attention, RMSNorm (+ residual), SiLU-and-mul, rotary embedding, the
+fused decode layers and a greedy row argmax (sources in csrc/).
 
 Compiled once per machine with torch's cpp_extension (one translation unit including every
 source, with torch's lighter headers: ~11 s of one core; concurrent processes wait for one
