@@ -34,55 +34,32 @@ constexpr int64_t kStep = 32;   // keys of an online-softmax step (two K tiles)
 constexpr int kMR = 3;          // query vectors of a micro-kernel
 constexpr int64_t kVectors = 36;  // query vectors of a task (rows x G), about
 
-// s[m][0..31] = q_m . k_j: MR query vectors (qs, D apart) against a step's K packed [D][32].
-template <int MR>
-__attribute__((always_inline)) inline void tile_scores(const float* qs, int64_t D, const float* kt, float* s) {
-  __m256 a[MR][4];
+// c[m][0..31] (+)= sum_j a[m lda + j] b[j ldb + 0..31], m < MR: each b vector loaded once for MR
+// rows, each broadcast of a used four times. The scores (a: queries, b: a step's K packed [D][32])
+// and the weighted values (a: numerators, b: V rows from dimension d0).
+template <int MR, bool kAccumulate>
+__attribute__((always_inline)) inline void micro_gemm(const float* a, int64_t lda, const float* b, int64_t ldb,
+                                                      int64_t n, float* c, int64_t ldc) {
+  __m256 acc[MR][4];
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) a[m][c] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    __m256 k[4];
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) k[c] = _mm256_loadu_ps(kt + d * kStep + 8 * c);
-#pragma GCC unroll 4
-    for (int m = 0; m < MR; ++m) {
-      const __m256 qv = _mm256_broadcast_ss(qs + m * D + d);
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) a[m][c] = _mm256_fmadd_ps(qv, k[c], a[m][c]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(s + m * kStep + 8 * c, a[m][c]);
-}
-
-// o[m][d0..d0+31] += sum_j p[m][j] v_j[d0..d0+31] over n keys (v: rows of D).
-template <int MR>
-__attribute__((always_inline)) inline void tile_values(const float* p, const float* v, int64_t D, int64_t n, float* o,
-                                                       int64_t d0) {
-  __m256 a[MR][4];
-#pragma GCC unroll 4
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) a[m][c] = _mm256_loadu_ps(o + m * D + d0 + 8 * c);
+    for (int v = 0; v < 4; ++v) acc[m][v] = kAccumulate ? _mm256_loadu_ps(c + m * ldc + 8 * v) : _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    __m256 vc[4];
+    __m256 bv[4];
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) vc[c] = _mm256_loadu_ps(v + j * D + d0 + 8 * c);
+    for (int v = 0; v < 4; ++v) bv[v] = _mm256_loadu_ps(b + j * ldb + 8 * v);
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m) {
-      const __m256 pm = _mm256_broadcast_ss(p + m * kStep + j);
+      const __m256 am = _mm256_broadcast_ss(a + m * lda + j);
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) a[m][c] = _mm256_fmadd_ps(pm, vc[c], a[m][c]);
+      for (int v = 0; v < 4; ++v) acc[m][v] = _mm256_fmadd_ps(am, bv[v], acc[m][v]);
     }
   }
 #pragma GCC unroll 4
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) _mm256_storeu_ps(o + m * D + d0 + 8 * c, a[m][c]);
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(c + m * ldc + 8 * v, acc[m][v]);
 }
 
 // Runs f<MR>(m0) over the query vectors [0, M) in blocks of kMR (the last one shorter).
@@ -181,14 +158,15 @@ void prefill_attention_avx2(float* out, int64_t out_stride, const float* q, int6
       for (int64_t t0 = 0; t0 <= last_pos; t0 += kStep) {
         const float* ktile = kt.get() + (h * tiles + t0 / kStep) * D * kStep;
         by_blocks(M, [&](auto mr, int64_t m0) {
-          tile_scores<decltype(mr)::value>(qs.data() + m0 * D, D, ktile, s.data() + m0 * kStep);
+          micro_gemm<decltype(mr)::value, false>(qs.data() + m0 * D, D, ktile, kStep, D, s.data() + m0 * kStep, kStep);
         });
         softmax_step(s.data(), M, G, first + r0, t0, D, mx.data(), l.data(), o.data());
         const int64_t n = std::min(kStep, last_pos + 1 - t0);
         const float* vt = vp.get() + (h * padded + t0) * D;
         by_blocks(M, [&](auto mr, int64_t m0) {
           for (int64_t d0 = 0; d0 < D; d0 += 32)
-            tile_values<decltype(mr)::value>(s.data() + m0 * kStep, vt, D, n, o.data() + m0 * D, d0);
+            micro_gemm<decltype(mr)::value, true>(s.data() + m0 * kStep, kStep, vt + d0, D, n,
+                                                  o.data() + m0 * D + d0, D);
         });
       }
       for (int64_t r = 0; r < nr; ++r)
