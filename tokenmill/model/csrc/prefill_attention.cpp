@@ -75,7 +75,9 @@ inline void by_blocks(int64_t M, F&& f) {
 // updates its running maximum mx and sum l and rescales its output row when the maximum rises.
 inline void softmax_step(float* s, int64_t M, int64_t G, int64_t first_pos, int64_t t0, int64_t D, float* mx,
                          float* l, float* o) {
-  using fVec = at::vec::Vectorized<float>;
+  using fVec = at::vec::Vectorized<float>;  // 8 lanes in an AVX2 build, 16 in an AVX-512 one
+  constexpr int64_t kVec = fVec::size();
+  static_assert(kStep % kVec == 0, "a step is whole vectors");
   for (int64_t m = 0; m < M; ++m) {
     float* sm = s + m * kStep;
     const int64_t visible = first_pos + m / G - t0 + 1;  // keys t0.. this vector attends to in the step
@@ -85,25 +87,25 @@ inline void softmax_step(float* s, int64_t M, int64_t G, int64_t first_pos, int6
     }
     for (int64_t j = visible; j < kStep; ++j) sm[j] = -INFINITY;
     fVec vmax = fVec::loadu(sm);
-    for (int64_t j = 8; j < kStep; j += 8) vmax = at::vec::maximum(vmax, fVec::loadu(sm + j));
-    float lanes[8];
+    for (int64_t j = kVec; j < kStep; j += kVec) vmax = at::vec::maximum(vmax, fVec::loadu(sm + j));
+    float lanes[kVec];
     vmax.store(lanes);
-    const float step_max = *std::max_element(lanes, lanes + 8);
+    const float step_max = *std::max_element(lanes, lanes + kVec);
     const float new_max = std::max(mx[m], step_max);
     fVec vsum(0.f);
-    for (int64_t j = 0; j < kStep; j += 8) {
+    for (int64_t j = 0; j < kStep; j += kVec) {
       const fVec e = (fVec::loadu(sm + j) - fVec(new_max)).exp_u20();
       e.store(sm + j);
       vsum = vsum + e;
     }
     vsum.store(lanes);
     float sum = 0.f;
-    for (int i = 0; i < 8; ++i) sum += lanes[i];
+    for (int64_t i = 0; i < kVec; ++i) sum += lanes[i];
     if (new_max > mx[m]) {
       const float alpha = std::exp(mx[m] - new_max);  // 0 at the first step (mx = -inf, o and l = 0)
       l[m] *= alpha;
       float* om = o + m * D;
-      for (int64_t d = 0; d < D; d += 8) (fVec::loadu(om + d) * fVec(alpha)).store(om + d);
+      for (int64_t d = 0; d < D; d += kVec) (fVec::loadu(om + d) * fVec(alpha)).store(om + d);
       mx[m] = new_max;
     }
     l[m] += sum;
