@@ -17,7 +17,7 @@ from tokenmill.entrypoints.openai.tools import (
     tool_grammar,
 )
 from tokenmill.errors import InvalidRequestError
-from tokenmill.structured_output.compiler import GrammarCompiler
+from tokenmill.structured_output.compiler import MAX_JSON_WHITESPACE, GrammarCompiler
 from tokenmill.structured_output.matcher import GrammarState
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -58,6 +58,14 @@ def test_grammar_per_tool_choice(compiler):
     assert takes(compiler, "auto", "No call needed.") and takes(compiler, "auto", "Let me check.\n" + CALL)
     assert not takes(compiler, "auto", "<tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>")
     assert tool_grammar(parse_tools([WEATHER], "none", None)) is None
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_arguments_whitespace_is_bounded(compiler, tool_choice):
+    # as in response_format's JSON: a small model could otherwise spend every token between two keys
+    gap = " " * MAX_JSON_WHITESPACE
+    assert takes(compiler, tool_choice, CALL.replace('"city": ', '"city":' + gap))
+    assert not takes(compiler, tool_choice, CALL.replace('"city": ', '"city": ' + gap))
 
 
 @pytest.mark.parametrize("tools, choice, message", [

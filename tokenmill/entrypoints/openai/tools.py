@@ -20,6 +20,7 @@ from typing import Any
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured_output import StructuredOutputsParams
+from tokenmill.structured_output.compiler import MAX_JSON_WHITESPACE
 from tokenmill.structured_output.json_schema import prepare_json_schema
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
@@ -98,8 +99,11 @@ def tool_grammar(req: ToolRequest) -> StructuredOutputsParams | None:
     if req.choice == "none":
         return None
     names = [req.named] if req.choice == "named" else list(req.schemas)
+    # the arguments' free whitespace is bounded per gap, as response_format's JSON is (compiler.py)
     tags = [{"type": "tag", "begin": f'{CALL_BEGIN}\n{{"name": "{n}", "arguments": ',
-             "content": {"type": "json_schema", "json_schema": req.schemas[n]}, "end": f"}}\n{CALL_END}"}
+             "content": {"type": "json_schema", "json_schema": req.schemas[n],
+                         "max_whitespace_cnt": MAX_JSON_WHITESPACE},
+             "end": f"}}\n{CALL_END}"}
             for n in names]
     if req.choice == "named":
         fmt = tags[0]

@@ -6,9 +6,9 @@
 // - The keys are packed once per call: K transposed in steps of 32 keys ([D][32], the keys in the
 //   lanes, so a score needs no horizontal sum) and V as rows, both out of the block-paged cache.
 // - A task is (kv head, tile of query rows): its G query heads of those rows are the query vectors,
-//   3 at a time in the micro-kernels, each with 12 accumulators: 3 vectors x 32 keys for the scores,
-//   3 x 32 dims for the values (each K or V vector loaded once for 3 vectors, each broadcast used 4
-//   times; 6 x 16 ran ~10% slower, its broadcasts twice as many).
+//   3 at a time in one micro-kernel (micro_gemm) with 12 accumulators: 3 vectors x 32 keys for the
+//   scores, 3 x 32 dims for the values (each K or V vector loaded once for 3 vectors, each broadcast
+//   used 4 times; 6 x 16 ran ~10% slower, its broadcasts twice as many).
 // - An online softmax over steps of 32 keys, as in FlashAttention-2: each row's running maximum
 //   and sum rescale its output when the maximum rises.
 // Its rounding differs from SDPA's as SDPA's does from the decode kernel's (fp32; tests/test_prefill_attention.py).
@@ -30,7 +30,7 @@
 namespace tm_prefill {  // named: the library compiles as one unit (kernels.py)
 
 #ifdef TM_HAVE_PREFILL_AVX2
-constexpr int64_t kStep = 32;   // keys of an online-softmax step (two K tiles)
+constexpr int64_t kStep = 32;   // keys of an online-softmax step (one packed K tile)
 constexpr int kMR = 3;          // query vectors of a micro-kernel
 constexpr int64_t kVectors = 36;  // query vectors of a task (rows x G), about
 
