@@ -20,12 +20,11 @@ import xgrammar as xgr
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured_output.json_schema import parse_json_schema, prepare_json_schema
-from tokenmill.structured_output.params import GrammarSpec
+from tokenmill.structured_output.params import MAX_JSON_WHITESPACE, GrammarSpec
 
 logger = logging.getLogger(__name__)
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[12:00:00] /path/file.cc:123: "
-MAX_JSON_WHITESPACE = 20  # characters between two JSON tokens
 _PARAMS = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "structural_tag": "structural_tag"}
 
 

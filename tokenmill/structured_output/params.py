@@ -11,6 +11,8 @@ import msgspec
 
 from tokenmill.errors import InvalidRequestError
 
+MAX_JSON_WHITESPACE = 20  # free whitespace characters between two JSON tokens (compiler.py)
+
 
 class GrammarSpec(msgspec.Struct, frozen=True):
     """kind: "json" (text = a JSON schema), "regex", "grammar" (EBNF/GBNF) or "structural_tag"

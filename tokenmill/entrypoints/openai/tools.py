@@ -20,8 +20,8 @@ from typing import Any
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured_output import StructuredOutputsParams
-from tokenmill.structured_output.compiler import MAX_JSON_WHITESPACE
 from tokenmill.structured_output.json_schema import prepare_json_schema
+from tokenmill.structured_output.params import MAX_JSON_WHITESPACE
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
