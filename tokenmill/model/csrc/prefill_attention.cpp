@@ -88,9 +88,7 @@ inline void softmax_step(float* s, int64_t M, int64_t G, int64_t first_pos, int6
     for (int64_t j = visible; j < kStep; ++j) sm[j] = -INFINITY;
     fVec vmax = fVec::loadu(sm);
     for (int64_t j = kVec; j < kStep; j += kVec) vmax = at::vec::maximum(vmax, fVec::loadu(sm + j));
-    float lanes[kVec];
-    vmax.store(lanes);
-    const float step_max = *std::max_element(lanes, lanes + kVec);
+    const float step_max = vmax.reduce_max();
     const float new_max = std::max(mx[m], step_max);
     fVec vsum(0.f);
     for (int64_t j = 0; j < kStep; j += kVec) {
@@ -98,9 +96,7 @@ inline void softmax_step(float* s, int64_t M, int64_t G, int64_t first_pos, int6
       e.store(sm + j);
       vsum = vsum + e;
     }
-    vsum.store(lanes);
-    float sum = 0.f;
-    for (int64_t i = 0; i < kVec; ++i) sum += lanes[i];
+    const float sum = vsum.reduce_add();
     if (new_max > mx[m]) {
       const float alpha = std::exp(mx[m] - new_max);  // 0 at the first step (mx = -inf, o and l = 0)
       l[m] *= alpha;
