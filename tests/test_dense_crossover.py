@@ -23,10 +23,11 @@ pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ to
 Q4_K, Q6_K, Q4_1 = (FORMATS[f].id for f in ("Q4_K", "Q6_K", "Q4_1"))
 
 
-def _cpu(monkeypatch, vendor: str, level: str, family: str = "6") -> None:
+def _cpu(monkeypatch, vendor: str, level: str, family: str = "6", model: str = "85") -> None:
     monkeypatch.setattr(packed, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(packed, "active_isa", lambda: level)
     monkeypatch.setattr(packed, "cpu_family", lambda: family)
+    monkeypatch.setattr(packed, "cpu_model_number", lambda: model)
 
 
 def test_crossover_follows_cpu_kind_codes_and_format(monkeypatch):
@@ -42,10 +43,13 @@ def test_crossover_follows_cpu_kind_codes_and_format(monkeypatch):
     assert packed.default_dense_min_rows(16, Q6_K) == packed.default_dense_min_rows(8, Q6_K) == 0
     _cpu(monkeypatch, "GenuineIntel", "avx2")
     assert packed.default_dense_min_rows(8, Q4_K) == packed.DENSE_MIN_ROWS["avx2"]
-    _cpu(monkeypatch, "AuthenticAMD", "avx2", "25")  # measured: 8-bit codes keep the packed kernel
+    _cpu(monkeypatch, "AuthenticAMD", "avx2", "25", "17")  # measured: 8-bit codes keep the packed kernel
     assert packed.default_dense_min_rows(8, Q4_K) == 0
     assert packed.default_dense_min_rows(8, Q6_K) == 2048
     assert packed.default_dense_min_rows(16, Q4_K) == 512  # its own 16-bit crossover, not the level's
+    _cpu(monkeypatch, "AuthenticAMD", "avx2", "25", "1")  # a Zen 3: its model's table first
+    assert packed.default_dense_min_rows(8, Q6_K) == 0
+    assert packed.default_dense_min_rows(16, Q4_K) == 512
 
 
 def _mixed_layer(method: packed.PackedLinearMethod, rows: list[int], k: int) -> SimpleNamespace:

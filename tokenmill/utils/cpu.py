@@ -53,6 +53,11 @@ def cpu_family() -> str:
     return _cpuinfo_field("cpu family")
 
 
+def cpu_model_number() -> str:
+    """The model number within the family ("1": a Zen 3 EPYC, "17": a Zen 4 EPYC), "" where unknown."""
+    return _cpuinfo_field("model")
+
+
 def hardware_isa() -> str:
     """The highest level whose features this CPU has (each level needs the ones below it)."""
     flags, level = cpu_flags(), "scalar"
@@ -98,10 +103,11 @@ def has_fast_bf16() -> bool:
 
 
 def describe() -> str:
-    """For logs and benchmark records: CPU model (and family: a VM's "AMD EPYC" is a Zen 4 or a Zen 5)
-    and the ISA level in use."""
+    """For logs and benchmark records: CPU model (with family and model number: a VM's "AMD EPYC" is a
+    Zen 3, 4 or 5) and the ISA level in use."""
     model = _cpuinfo_field("model name") or "unknown CPU"
-    family = f" (family {cpu_family()})" if cpu_family() else ""
+    model_no = f" model {cpu_model_number()}" if cpu_model_number() else ""
+    family = f" (family {cpu_family()}{model_no})" if cpu_family() else ""
     hw, act = hardware_isa(), active_isa()
     return f"{model}{family}, ISA {act}" + ("" if act == hw else f" (capped from {hw})")
 

@@ -23,7 +23,7 @@ from tokenmill.errors import ConfigError
 from tokenmill.model.layers.quantization.base import LinearMethod
 from tokenmill.model.layers.quantization.formats import BY_ID, row_bytes
 from tokenmill.model.quant_kernels import quant_ops
-from tokenmill.utils.cpu import active_isa, cpu_family, cpu_vendor
+from tokenmill.utils.cpu import active_isa, cpu_family, cpu_model_number, cpu_vendor
 
 # measured crossovers (rows) per ISA level: see BENCHMARKS.md, "Quantized GEMM crossover".
 # avx512_bf16 (a Xeon without AMX, 2026-11-22): the packed kernel is faster than dequant+GEMM, and
@@ -53,8 +53,11 @@ DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", 
 # 1.05-1.6x dequant+GEMM for Q4_K, Q4_1 and Q5_0 at 512-2048 rows, and for Q6_K at 512 (1.13x) and 1024
 # (1.02x); at 2048 Q6_K went either way (1.02x, 0.77x). An AMD EPYC with AVX2 only (a Zen 4 VM without
 # AVX-512; 2026-11-28, fp32): packed is 1.1-2.0x dequant+GEMM at 128-2048 rows for Q4_1, Q4_K, Q5_0
-# and Q6_K, but for the 0.5B's Q6_K down at 2048 (0.90x). Keys with a family come first.
+# and Q6_K, but for the 0.5B's Q6_K down at 2048 (0.90x). A Zen 3 EPYC (family 25 model 1, AVX2 only;
+# 2026-11-29, fp32): packed is 1.04-1.38x dequant+GEMM for both Q6_K downs at 2048 rows, 1.3-1.6x for
+# Q4_K and Q5_0. Keys with a model number come first, then with a family.
 DENSE_MIN_ROWS_8BIT_BY_VENDOR: dict[tuple[str, ...], dict[str, int]] = {
+    ("AuthenticAMD", "avx2", "25", "1"): {},
     ("AuthenticAMD", "avx512_bf16", "25"): {"Q6_K": 2048},
     ("AuthenticAMD", "avx512_bf16"): {"Q5_0": 1024, "Q5_1": 1024, "Q6_K": 512},
     ("AuthenticAMD", "avx2"): {"Q6_K": 2048}}
@@ -66,7 +69,7 @@ def default_dense_min_rows(act_bits: int | str = 16, qtype: int | None = None) -
     level = active_isa()
     kind = (cpu_vendor(), level)
     if act_bits == 8:
-        for key in (kind + (cpu_family(),), kind):
+        for key in (kind + (cpu_family(), cpu_model_number()), kind + (cpu_family(),), kind):
             if key in DENSE_MIN_ROWS_8BIT_BY_VENDOR:
                 return DENSE_MIN_ROWS_8BIT_BY_VENDOR[key].get(BY_ID[qtype].name if qtype is not None else "", 0)
     return DENSE_MIN_ROWS_BY_VENDOR.get(kind, DENSE_MIN_ROWS[level]) or 0
