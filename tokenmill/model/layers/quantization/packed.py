@@ -54,8 +54,8 @@ DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", 
 # (1.02x); at 2048 Q6_K went either way (1.02x, 0.77x). An AMD EPYC with AVX2 only (a Zen 4 VM without
 # AVX-512; 2026-11-28, fp32): packed is 1.1-2.0x dequant+GEMM at 128-2048 rows for Q4_1, Q4_K, Q5_0
 # and Q6_K, but for the 0.5B's Q6_K down at 2048 (0.90x). A Zen 3 EPYC (family 25 model 1, AVX2 only;
-# 2026-11-29, fp32): packed is 1.04-1.38x dequant+GEMM for both Q6_K downs at 2048 rows, 1.3-1.6x for
-# Q4_K and Q5_0. Keys with a model number come first, then with a family.
+# 2026-11-29, fp32): packed is 1.05-1.38x dequant+GEMM for both Q6_K downs at 2048 rows (1.05-1.6x at
+# 128-1024), 1.3-2.3x for Q4_K and Q5_0. Keys with a model number come first, then with a family.
 DENSE_MIN_ROWS_8BIT_BY_VENDOR: dict[tuple[str, ...], dict[str, int]] = {
     ("AuthenticAMD", "avx2", "25", "1"): {},
     ("AuthenticAMD", "avx512_bf16", "25"): {"Q6_K": 2048},
