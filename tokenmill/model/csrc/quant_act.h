@@ -76,10 +76,12 @@ struct StreamPrefetch {
     expect = group + group_bytes;
   }
   inline void upto(const uint8_t* read_end) {
-    for (const uint8_t* e = read_end + g_prefetch_ahead; next < e; next += 64) {
-      if (g_prefetch_level == 2) __builtin_prefetch(next, 0, 2);
-      else __builtin_prefetch(next, 0, 3);
+    const uint8_t* n = next;  // a local: as the member, GCC stored it back every line
+    for (const uint8_t* e = read_end + g_prefetch_ahead; n < e; n += 64) {
+      if (g_prefetch_level == 2) __builtin_prefetch(n, 0, 2);
+      else __builtin_prefetch(n, 0, 3);
     }
+    next = n;
   }
 };
 

@@ -1,11 +1,11 @@
 // The AVX2 super-block kernel: group_dot (quant_gemm_x8.cpp) for Q4_K and Q5_K weights against 8-bit
 // activation codes whose chunk scales are a super-block unit times 2^up (quant_act.h), as
-// quant_gemm_sb.cpp does with AVX-512. A chunk's 16-bit sums meet its 6-bit sub-block scales, times
-// 2^up, in the vpmaddwd that widens them, and the floats come in once per super-block: the per-chunk
-// float epilogue (int-to-float, two scales and two FMAs a row, and the scales' own decode) ran on the
-// ports of vpmaddubsw. The minimums meet the rows' shifted chunk sums (ActRow::mp) in four vpmaddwd a
-// super-block. Lane = output row. Q6_K stays on group_dot: with two scales a chunk and its -32
-// offset, the integer form measured no faster there.
+// quant_gemm_sb.cpp does with AVX-512. A chunk's 16-bit sums meet its 6-bit sub-block scales in the
+// vpmaddwd that widens them, then 2^up in a shift, and the floats come in once per super-block: the
+// per-chunk float epilogue (int-to-float, two scales and two FMAs a row, and the scales' own decode)
+// ran on the ports of vpmaddubsw. The minimums meet the rows' shifted chunk sums (ActRow::mp) in four
+// vpmaddwd a super-block. Lane = output row. Q6_K stays on group_dot: with two scales a chunk and its
+// -32 offset, the integer form measured no faster there.
 #include <cstring>
 
 #include "quant_ymm.h"
@@ -43,15 +43,14 @@ void group_dot_sb(const uint8_t* group, int64_t K, const ActRow* a, float out[][
         else if constexpr (j < 4) return _mm256_and_si256(ld(body + 32 * j), m4);
         else return _mm256_and_si256(_mm256_srli_epi16(ld(body + 32 * (j - 4)), 4), m4);
       };
-      // the rows' sub-block scales as int16 pairs (sc, sc), times each 2^up: a row's madd reads the
-      // one its chunk's up picks, so no shift a row (63 x 2^3 fits int16)
-      alignas(32) __m256i sct[kMaxUp + 1];
+      // the sub-block scales as int16 pairs (sc, sc); a row's 2^up shifts its int32 sums, the same
+      // integers as scales shifted first. A table of the four shifted scales, built on the stack each
+      // chunk and read back at an index, ran 1.1-1.35x slower in cache at 1-4 rows (BENCHMARKS.md).
       const __m128i sc8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(h + 32 + 8 * k));
       const __m256i sc = _mm256_cvtepu8_epi32(sc8);
-      sct[0] = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
-      for (int e = 1; e <= kMaxUp; ++e) sct[e] = _mm256_slli_epi16(sct[0], e);
-      int ups[MR];
-      for (int m = 0; m < MR; ++m) ups[m] = a[m].up[c];
+      const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));
+      __m128i ups[MR];
+      for (int m = 0; m < MR; ++m) ups[m] = _mm_cvtsi32_si128(a[m].up[c]);
       static_for<8 / kRun>([&](auto run) TM_INLINE {
         constexpr int j0 = decltype(run)::value * kRun;
         __m256i s16[MR];
@@ -69,7 +68,7 @@ void group_dot_sb(const uint8_t* group, int64_t K, const ActRow* a, float out[][
         });
         static_for<MR>([&](auto mc) TM_INLINE {
           constexpr int m = decltype(mc)::value;
-          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(s16[m], sct[ups[m]]));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_sll_epi32(_mm256_madd_epi16(s16[m], sc2), ups[m]));
         });
       });
     }
