@@ -8,10 +8,9 @@ freed and it goes back to the waiting queue, to be recomputed later (cheaply, th
 cache). Which one, and the waiting queue's order, follow the scheduling policy (request_queue.py):
 fcfs preempts the most recently admitted request not yet in this step's batch and puts it back at
 the front; priority preempts the lowest-ranked running request (undoing its part of this step if it
-had one) and serves the waiting queue by rank, each group of running requests too.
-
-The batch goes to the runner as deltas (scheduler_output.py); `update` takes back the k >= 1
-tokens per request a step yields and returns the step's EngineCoreOutputs.
+had one) and serves the waiting queue by rank, each group of running requests too. The batch goes
+to the runner as deltas (scheduler_output.py); `update` takes back the k >= 1 tokens per request a
+step yields and returns the step's EngineCoreOutputs.
 
 Speculative decoding: a decoding request's drafts (from the runner's proposer, last step) are
 scheduled after its last token, within the budget and max_tokens, with `num_lookahead_slots` more
@@ -220,8 +219,7 @@ class Scheduler:
         return req.spec_token_ids[:max(room, 0)]
 
     def _lookahead(self, req: Request, num_after: int) -> int:
-        """KV slots for a draft model to write past the step's tokens, when the step samples (then
-        the proposer runs)."""
+        """KV slots for a draft model to write past the step's tokens, when the step samples (and so drafts)."""
         return self.num_lookahead_slots if num_after >= req.num_tokens else 0
 
     def _fail(self, req: Request, error: Exception) -> None:
