@@ -5,7 +5,8 @@ as much as the kernels they call. When every layer's weights are packed (GGUF, i
 CPU kernels are in use and the batch holds only decode rows (speculative verification rows
 included), the layers run as the same kernels called from C++ in the same order, over a plain KV
 cache or a quantized one (quant_kv.py): the result is bit for bit that of the Python layers.
-Anything else takes the Python layers.
+Anything else takes the Python layers. The layers' tensors are handed to C++ once, as a
+DecodePlan; a step passes only its activations and metadata.
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ def _packed(linear) -> bool:
             and linear.row_tile is None and linear.q_views is not None)
 
 
+def _plan_class():
+    """decode_layers.cpp's DecodePlan, or None without the CPU kernels."""
+    try:
+        return torch.classes.tokenmill.DecodePlan
+    except RuntimeError:
+        return None
+
+
 class FusedDecode:
     """Built lazily by the model (after loading and KV-cache binding); `usable` says whether the
     model qualifies at all, `applies` whether a step does."""
@@ -33,11 +42,11 @@ class FusedDecode:
 
         self.layers = layers
         self.usable = False
-        self.kv_caches = [ly.self_attn.kv_cache for ly in layers]  # rebuilt when they are rebound
+        self.first_cache = layers[0].self_attn.kv_cache if layers else None  # rebuilt when it is rebound
         linears = [lin for ly in layers for lin in (ly.self_attn.qkv_proj, ly.self_attn.o_proj,
                                                   ly.mlp.gate_up_proj, ly.mlp.down_proj)]
         if not (layers and isinstance(backend, CPUPagedBackend) and distributed.state().tp_size == 1
-                and hasattr(torch.ops.tokenmill, "decode_layers") and all(map(_packed, linears))
+                and _plan_class() is not None and all(map(_packed, linears))
                 and all(isinstance(ly.self_attn.kv_cache, torch.Tensor | QuantizedKVCache) for ly in layers)
                 and all(lin.bias is None for ly in layers for lin in (ly.self_attn.o_proj, ly.mlp.gate_up_proj,
                                                                      ly.mlp.down_proj))):
@@ -45,34 +54,34 @@ class FusedDecode:
         methods = [lin.method for lin in linears]
         if len({m.ops.name for m in methods}) != 1:
             return
-        self.qlinear_op = f"{methods[0].ops.name}::qlinear"
         quantized_kv = isinstance(layers[0].self_attn.kv_cache, QuantizedKVCache)
-        self.kv_ops = quant_kv_ops().name if quantized_kv else ""
+        self.kv_ops = quant_kv_ops().name if quantized_kv else ""  # a quantized cache's kernels (quant_kv.cpp)
         no_scale = torch.empty(0)
-        attn = layers[0].self_attn
-        self.heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        self.eps, self.scale = layers[0].input_layernorm.eps, attn.scale
-        self.tensors: list[torch.Tensor] = []
-        self.ints: list[int] = []
+        tensors: list[torch.Tensor] = []
+        self.ints: list[int] = []  # decode_layers.cpp's DecodePlan reads both lists in this order
         for ly in layers:
             a = ly.self_attn
             kv = a.kv_cache
             scales = (kv.scale[0], kv.scale[1]) if quantized_kv else (no_scale, no_scale)
-            self.tensors += [ly.input_layernorm.weight.data, ly.post_attention_layernorm.weight.data,
-                             kv[0], kv[1], *scales]
+            tensors += [ly.input_layernorm.weight.data, ly.post_attention_layernorm.weight.data, kv[0], kv[1], *scales]
             self.ints.append(int(a.qkv_proj.bias is not None))
             if a.qkv_proj.bias is not None:
-                self.tensors.append(a.qkv_proj.bias.data.float())  # qlinear adds it in fp32: convert once
+                tensors.append(a.qkv_proj.bias.data.float())  # qlinear adds it in fp32: convert once
             for lin in (a.qkv_proj, a.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj):
                 self.ints += [lin.method.dense_min_rows, lin.method.act_bits, len(lin.q_views)]
                 for view, qt, rows in zip(lin.q_views, lin.method.qtypes, lin.q_rows):
-                    self.tensors.append(view)
+                    tensors.append(view)
                     self.ints += [qt, rows]
+        attn = layers[0].self_attn
+        self.plan = _plan_class()(tensors, self.ints, len(layers), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                  layers[0].input_layernorm.eps, attn.scale, f"{methods[0].ops.name}::qlinear",
+                                  self.kv_ops)
         self.usable = True
 
     def stale(self) -> bool:
-        """The KV cache was reallocated since (its views are held here)."""
-        return any(ly.self_attn.kv_cache is not kv for ly, kv in zip(self.layers, self.kv_caches))
+        """The KV cache was reallocated since (its views are held here). allocate_kv_cache binds every
+        layer's cache at once, so the first layer's tells."""
+        return bool(self.layers) and self.layers[0].self_attn.kv_cache is not self.first_cache
 
     def applies(self, x: torch.Tensor, meta) -> bool:
         from tokenmill.model.attention.cpu_paged import PagedDecodes
@@ -84,9 +93,6 @@ class FusedDecode:
         """(hidden, residual) after the layers; residual None: before the first layer."""
         residual = torch.zeros_like(x) if residual is None else residual
         cos, sin, positions = rope
-        h, hkv, d = self.heads
-        x = torch.ops.tokenmill.decode_layers(x.contiguous(), residual, positions, cos, sin, meta.slot_mapping,
-                                              meta.decodes.tables, meta.decodes.seq_lens, self.tensors, self.ints,
-                                              len(self.layers), h, hkv, d, self.eps, self.scale,
-                                              self.qlinear_op, self.kv_ops)
+        x = self.plan.run(x.contiguous(), residual, positions, cos, sin, meta.slot_mapping, meta.decodes.tables,
+                          meta.decodes.seq_lens)
         return x, residual

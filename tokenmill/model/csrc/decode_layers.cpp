@@ -6,10 +6,13 @@
 // from C++ in the same order on the same buffers, so the result is bit for bit that of the
 // Python layers (llama.py). The packed GEMV lives in the per-ISA quantized library: it is called
 // through the dispatcher by its qualified name.
+// The layers' weights and caches are read once into a DecodePlan (a torch custom class, built by
+// fused_decode.py); a step calls its run() with the step's activations and metadata.
 // Compiled into the kernels library as one unit with paged_attention.cpp and elementwise.cpp.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <torch/custom_class.h>
 
 #include <cstring>
 #include <string>
@@ -31,29 +34,6 @@ struct Packed {
   int64_t out = 0, dense_min_rows = 0, act_bits = 16;
 };
 
-// ints per layer: has_bias, then per linear (qkv, o, gate_up, down): dense_min_rows, act_bits (each
-// kind has its own: act_bits.py), n, then n (qtype, rows); tensors per layer: in_norm, post_norm,
-// k_cache, v_cache, k_scale, v_scale (empty for a plain cache, or a bf16 one under fp32), [qkv bias],
-// shards in order.
-struct LayerReader {
-  const std::vector<at::Tensor>& t;
-  at::IntArrayRef ints;
-  size_t ti = 0, ii = 0;
-  Packed linear() {
-    Packed p;
-    p.dense_min_rows = ints[ii++];
-    p.act_bits = ints[ii++];
-    const int64_t n = ints[ii++];
-    for (int64_t s = 0; s < n; ++s) {
-      p.w.push_back(t[ti++]);
-      p.qtypes.push_back(ints[ii++]);
-      p.rows.push_back(ints[ii++]);
-      p.out += p.rows.back();
-    }
-    return p;
-  }
-};
-
 // This step's K/V rows of a cache in the model's dtype into their slots, before attention reads them.
 void write_plain_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& qkv, const int64_t* slots,
                     int64_t q_size, int64_t kv_size) {
@@ -68,104 +48,146 @@ void write_plain_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const 
   }
 }
 
-// Returns the last layer's MLP output; residual is updated in place (pass zeros before the first
-// layer: x + 0 is x, so the first norm sees x itself, as in llama.py).
-at::Tensor decode_layers(at::Tensor hidden, at::Tensor residual, const at::Tensor& positions, const at::Tensor& cos,
-                         const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                         const at::Tensor& seq_lens, std::vector<at::Tensor> tensors, at::IntArrayRef ints,
-                         int64_t num_layers, int64_t H, int64_t Hkv, int64_t D, double eps, double scale,
-                         std::string qlinear_op, std::string kv_ops) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && residual.is_contiguous() &&
-                  residual.sizes() == hidden.sizes() && residual.scalar_type() == hidden.scalar_type(),
-              "decode_layers: hidden and residual must be contiguous [T, hidden] of one dtype");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == hidden.size(0),
-              "decode_layers: one int64 slot per token");
-  auto& dispatcher = c10::Dispatcher::singleton();
-  const auto op = dispatcher.findSchemaOrThrow(qlinear_op.c_str(), "").typed<QLinearFn>();
-  // kv_ops: the quantized KV cache kernels' namespace, empty for a cache in the model's dtype
-  const bool plain_kv = kv_ops.empty();
+// Every layer's weights, norms and cache, read once from fused_decode.py's flat lists, with the
+// kernels' dispatcher handles: a step then passes only its activations and metadata. Passing the
+// ~400 tensors and ~800 ints on every call, and reading them back into vectors, cost one stream
+// ~0.2 ms a step (2% of a SmolLM2 token on Zen 3).
+struct DecodePlan : torch::CustomClassHolder {
+  struct Layer {
+    at::Tensor in_norm, post_norm, k_cache, v_cache, k_scale, v_scale;
+    std::optional<at::Tensor> qkv_bias;
+    Packed qkv, o, gate_up, down;
+  };
+  std::vector<Layer> layers;
+  int64_t H, Hkv, D;
+  double eps, scale;
+  c10::TypedOperatorHandle<QLinearFn> qlinear_op;
+  // a quantized KV cache's kernels (quant_kv.cpp), absent for a cache in the model's dtype
   std::optional<c10::TypedOperatorHandle<KVWriteFn>> kv_write;
   std::optional<c10::TypedOperatorHandle<KVDecodeFn>> kv_decode;
-  if (!plain_kv) {
-    kv_write = dispatcher.findSchemaOrThrow((kv_ops + "::kv_write_quant").c_str(), "").typed<KVWriteFn>();
-    kv_decode = dispatcher.findSchemaOrThrow((kv_ops + "::paged_decode_attention_q").c_str(), "").typed<KVDecodeFn>();
-  }
-  auto qlinear = [&](at::Tensor& y, const Packed& p, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
-    if (!y.defined() || y.size(1) != p.out) y = at::empty({x.size(0), p.out}, x.options());
-    op.call(y, x, p.w, p.qtypes, p.rows, bias, p.dense_min_rows, p.act_bits);
-  };
-  const int64_t T_ = hidden.size(0), q_size = H * D, kv_size = Hkv * D;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  TORCH_CHECK(tensors.size() > 2, "decode_layers: no layers");
-  for (int64_t t = 0, slots_total = tensors[2].numel() / kv_size; t < T_; ++t)  // every layer's cache has as many
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "decode_layers: slot ", slots[t], " out of range");
-  LayerReader rd{tensors, ints};
-  at::Tensor x = hidden;
-  // One set of activations for all layers, made at the first: a dozen tensor allocations and views
-  // a layer through the dispatcher cost ~10 us of one stream's ~150 us SmolLM2 layer. The layer's
-  // output `down` is read by the next layer's first norm before its down product rewrites it.
-  at::Tensor normed = at::empty_like(x), qkv, o, gate_up, act, down, q, k, v;
-  at::Tensor attn = at::empty({T_, H, D}, x.options());
-  const at::Tensor attn_rows = attn.view({T_, q_size});
-  for (int64_t layer = 0; layer < num_layers; ++layer) {
-    const at::Tensor &in_norm = tensors[rd.ti], &post_norm = tensors[rd.ti + 1];
-    const at::Tensor &k_cache = tensors[rd.ti + 2], &v_cache = tensors[rd.ti + 3];
-    const at::Tensor &k_scale = tensors[rd.ti + 4], &v_scale = tensors[rd.ti + 5];
-    rd.ti += 6;
-    std::optional<at::Tensor> qkv_bias;
-    if (rd.ints[rd.ii++]) qkv_bias = tensors[rd.ti++];
-    const Packed qkv_p = rd.linear(), o_p = rd.linear(), gu_p = rd.linear(), down_p = rd.linear();
-    TORCH_CHECK(qkv_p.out == q_size + 2 * kv_size && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                    k_cache.size(2) == Hkv && k_cache.size(3) == D &&
-                    (k_cache.scalar_type() == x.scalar_type()) == plain_kv,
-                "decode_layers: layer ", layer, ": qkv size or KV cache layout does not match the heads");
 
-    tm_elementwise::rms_norm(normed, x, residual, in_norm, eps);
-    const bool fresh_qkv = !qkv.defined();
-    qlinear(qkv, qkv_p, normed, qkv_bias);
-    if (fresh_qkv) {
-      q = qkv.narrow(1, 0, q_size).view({T_, H, D});
-      k = qkv.narrow(1, q_size, kv_size).view({T_, Hkv, D});
-      v = qkv.narrow(1, q_size + kv_size, kv_size).view({T_, Hkv, D});
+  // ints per layer: has_bias, then per linear (qkv, o, gate_up, down): dense_min_rows, act_bits (each
+  // kind has its own: act_bits.py), n, then n (qtype, rows); tensors per layer: in_norm, post_norm,
+  // k_cache, v_cache, k_scale, v_scale (empty for a plain cache, or a bf16 one under fp32), [qkv bias],
+  // shards in order.
+  DecodePlan(std::vector<at::Tensor> t, std::vector<int64_t> ints, int64_t num_layers, int64_t num_heads,
+             int64_t num_kv_heads, int64_t head_dim, double eps_, double scale_, std::string qlinear_name,
+             std::string kv_ops)
+      : H(num_heads), Hkv(num_kv_heads), D(head_dim), eps(eps_), scale(scale_),
+        qlinear_op(c10::Dispatcher::singleton().findSchemaOrThrow(qlinear_name.c_str(), "").typed<QLinearFn>()) {
+    auto& dispatcher = c10::Dispatcher::singleton();
+    if (!kv_ops.empty()) {
+      kv_write = dispatcher.findSchemaOrThrow((kv_ops + "::kv_write_quant").c_str(), "").typed<KVWriteFn>();
+      kv_decode = dispatcher.findSchemaOrThrow((kv_ops + "::paged_decode_attention_q").c_str(), "").typed<KVDecodeFn>();
     }
-    tm_elementwise::rotary_embedding(q, k, cos, sin, positions);
-    const at::Tensor q_rows = T_ == 1 ? q : q.contiguous();
-    if (plain_kv) {
-      write_plain_kv(k_cache, v_cache, qkv, slots, q_size, kv_size);
-      tm_paged::paged_decode_attention(attn, q_rows, k_cache, v_cache, block_tables, seq_lens, scale);
-    } else {  // as cpu_paged.py's quantized path: the same kernels in the same order
-      if (k_scale.numel()) {
-        kv_write->call(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping);
-      } else {
-        k_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));
-        v_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
+    size_t ti = 0, ii = 0;
+    auto tensor = [&] {
+      TORCH_CHECK(ti < t.size(), "DecodePlan: fewer tensors than the layers need");
+      return t[ti++];
+    };
+    auto integer = [&] {
+      TORCH_CHECK(ii < ints.size(), "DecodePlan: fewer ints than the layers need");
+      return ints[ii++];
+    };
+    auto linear = [&] {
+      Packed p;
+      p.dense_min_rows = integer();
+      p.act_bits = integer();
+      for (int64_t s = 0, n = integer(); s < n; ++s) {
+        p.w.push_back(tensor());
+        p.qtypes.push_back(integer());
+        p.rows.push_back(integer());
+        p.out += p.rows.back();
       }
-      if (!tm_paged::paged_decode_attention_scaled(attn, q_rows, k_cache, v_cache, k_scale, v_scale, block_tables,
-                                                   seq_lens, scale))
-        kv_decode->call(attn, q_rows, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, scale);
+      return p;
+    };
+    const int64_t q_size = H * D, kv_size = Hkv * D;
+    for (int64_t i = 0; i < num_layers; ++i) {
+      Layer ly;
+      ly.in_norm = tensor(), ly.post_norm = tensor(), ly.k_cache = tensor(), ly.v_cache = tensor();
+      ly.k_scale = tensor(), ly.v_scale = tensor();
+      if (integer()) ly.qkv_bias = tensor();
+      ly.qkv = linear(), ly.o = linear(), ly.gate_up = linear(), ly.down = linear();
+      TORCH_CHECK(ly.qkv.out == q_size + 2 * kv_size && ly.k_cache.is_contiguous() && ly.v_cache.is_contiguous() &&
+                      ly.k_cache.dim() == 4 && ly.k_cache.size(2) == Hkv && ly.k_cache.size(3) == D &&
+                      ly.v_cache.sizes() == ly.k_cache.sizes(),
+                  "DecodePlan: layer ", i, ": qkv size or KV cache layout does not match the heads");
+      layers.push_back(std::move(ly));
     }
-    qlinear(o, o_p, attn_rows, std::nullopt);
-    tm_elementwise::rms_norm(normed, o, residual, post_norm, eps);
-    qlinear(gate_up, gu_p, normed, std::nullopt);
-    if (!act.defined() || act.size(1) != gu_p.out / 2) act = at::empty({T_, gu_p.out / 2}, x.options());
-    tm_elementwise::silu_and_mul(act, gate_up);
-    qlinear(down, down_p, act, std::nullopt);
-    x = down;
+    TORCH_CHECK(!layers.empty(), "DecodePlan: no layers");
+    TORCH_CHECK(ti == t.size() && ii == ints.size(), "DecodePlan: layer lists longer than the layers");
   }
-  TORCH_CHECK(rd.ti == tensors.size() && rd.ii == ints.size(), "decode_layers: layer lists longer than the layers");
-  return x;
-}
+
+  // Returns the last layer's MLP output; residual is updated in place (pass zeros before the first
+  // layer: x + 0 is x, so the first norm sees x itself, as in llama.py).
+  at::Tensor run(at::Tensor hidden, at::Tensor residual, const at::Tensor& positions, const at::Tensor& cos,
+                 const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                 const at::Tensor& seq_lens) {
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && residual.is_contiguous() &&
+                    residual.sizes() == hidden.sizes() && residual.scalar_type() == hidden.scalar_type(),
+                "decode_layers: hidden and residual must be contiguous [T, hidden] of one dtype");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == hidden.size(0),
+                "decode_layers: one int64 slot per token");
+    const bool plain_kv = !kv_write.has_value();
+    TORCH_CHECK((layers[0].k_cache.scalar_type() == hidden.scalar_type()) == plain_kv,
+                "decode_layers: the KV cache's dtype does not match the plan");
+    auto qlinear = [&](at::Tensor& y, const Packed& p, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+      if (!y.defined() || y.size(1) != p.out) y = at::empty({x.size(0), p.out}, x.options());
+      qlinear_op.call(y, x, p.w, p.qtypes, p.rows, bias, p.dense_min_rows, p.act_bits);
+    };
+    const int64_t T_ = hidden.size(0), q_size = H * D, kv_size = Hkv * D;
+    const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+    for (int64_t t = 0, slots_total = layers[0].k_cache.numel() / kv_size; t < T_; ++t)  // every layer's cache has as many
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "decode_layers: slot ", slots[t], " out of range");
+    at::Tensor x = hidden;
+    // One set of activations for all layers, made at the first: a dozen tensor allocations and views
+    // a layer through the dispatcher cost ~10 us of one stream's ~150 us SmolLM2 layer. The layer's
+    // output `down` is read by the next layer's first norm before its down product rewrites it.
+    at::Tensor normed = at::empty_like(x), qkv, o, gate_up, act, down, q, k, v;
+    at::Tensor attn = at::empty({T_, H, D}, x.options());
+    const at::Tensor attn_rows = attn.view({T_, q_size});
+    for (const Layer& ly : layers) {
+      tm_elementwise::rms_norm(normed, x, residual, ly.in_norm, eps);
+      const bool fresh_qkv = !qkv.defined();
+      qlinear(qkv, ly.qkv, normed, ly.qkv_bias);
+      if (fresh_qkv) {
+        q = qkv.narrow(1, 0, q_size).view({T_, H, D});
+        k = qkv.narrow(1, q_size, kv_size).view({T_, Hkv, D});
+        v = qkv.narrow(1, q_size + kv_size, kv_size).view({T_, Hkv, D});
+      }
+      tm_elementwise::rotary_embedding(q, k, cos, sin, positions);
+      const at::Tensor q_rows = T_ == 1 ? q : q.contiguous();
+      if (plain_kv) {
+        write_plain_kv(ly.k_cache, ly.v_cache, qkv, slots, q_size, kv_size);
+        tm_paged::paged_decode_attention(attn, q_rows, ly.k_cache, ly.v_cache, block_tables, seq_lens, scale);
+      } else {  // as cpu_paged.py's quantized path: the same kernels in the same order
+        if (ly.k_scale.numel()) {
+          kv_write->call(k, v, ly.k_cache, ly.v_cache, ly.k_scale, ly.v_scale, slot_mapping);
+        } else {
+          ly.k_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, k.to(ly.k_cache.scalar_type()));
+          ly.v_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, v.to(ly.v_cache.scalar_type()));
+        }
+        if (!tm_paged::paged_decode_attention_scaled(attn, q_rows, ly.k_cache, ly.v_cache, ly.k_scale, ly.v_scale,
+                                                     block_tables, seq_lens, scale))
+          kv_decode->call(attn, q_rows, ly.k_cache, ly.v_cache, ly.k_scale, ly.v_scale, block_tables, seq_lens, scale);
+      }
+      qlinear(o, ly.o, attn_rows, std::nullopt);
+      tm_elementwise::rms_norm(normed, o, residual, ly.post_norm, eps);
+      qlinear(gate_up, ly.gate_up, normed, std::nullopt);
+      if (!act.defined() || act.size(1) != ly.gate_up.out / 2) act = at::empty({T_, ly.gate_up.out / 2}, x.options());
+      tm_elementwise::silu_and_mul(act, gate_up);
+      qlinear(down, ly.down, act, std::nullopt);
+      x = down;
+    }
+    return x;
+  }
+};
 
 }  // namespace tm_layers
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("decode_layers(Tensor hidden, Tensor(a!) residual, Tensor positions, Tensor cos, Tensor sin, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor[] tensors, int[] ints, int num_layers, "
-        "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, str qlinear_op, "
-        "str kv_ops) "
-        "-> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("decode_layers", &tm_layers::decode_layers);
+  m.class_<tm_layers::DecodePlan>("DecodePlan")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, double,
+                       double, std::string, std::string>())
+      .def("run", &tm_layers::DecodePlan::run);
 }
