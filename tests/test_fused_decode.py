@@ -77,3 +77,21 @@ def test_not_used_where_it_does_not_apply():
     model = llm.engine.core.worker.runner.model.model
     llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert model.fused_decode is None or not model.fused_decode.usable
+
+
+def test_rebuilt_when_the_kv_cache_is_rebound():
+    """The plan holds the layers' cache views: a cache allocated again (allocate_kv_cache binds every
+    layer's) gets a new plan, and the same greedy tokens."""
+    llm = LLM(dtype="float32", quantization="gguf", enable_prefix_caching=False, **KV)
+    worker = llm.engine.core.worker
+    model = worker.runner.model.model
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    before = llm.generate(PROMPTS, sp, use_tqdm=False)
+    plan = model.fused_decode.plan
+    old = worker.runner.kv_cache
+    worker.runner.allocate_kv_cache(worker.num_blocks, worker.local_kv_heads, model.layers[0].self_attn.head_dim,
+                                    worker.dtype, worker.kv_storage)
+    assert worker.runner.kv_cache is not old
+    after = llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert model.fused_decode.plan is not plan and model.fused_decode.usable
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
