@@ -137,7 +137,8 @@ struct DecodePlan : torch::CustomClassHolder {
     };
     const int64_t T_ = hidden.size(0), q_size = H * D, kv_size = Hkv * D;
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-    for (int64_t t = 0, slots_total = layers[0].k_cache.numel() / kv_size; t < T_; ++t)  // every layer's cache has as many
+    const int64_t slots_total = layers[0].k_cache.numel() / kv_size;  // every layer's cache has as many
+    for (int64_t t = 0; t < T_; ++t)
       TORCH_CHECK(slots[t] >= 0 && slots[t] < slots_total, "decode_layers: slot ", slots[t], " out of range");
     at::Tensor x = hidden;
     // One set of activations for all layers, made at the first: a dozen tensor allocations and views
