@@ -43,10 +43,11 @@ class FusedDecode:
         self.layers = layers
         self.usable = False
         self.first_cache = layers[0].self_attn.kv_cache if layers else None  # rebuilt when it is rebound
+        plan_class = _plan_class()
         linears = [lin for ly in layers for lin in (ly.self_attn.qkv_proj, ly.self_attn.o_proj,
                                                   ly.mlp.gate_up_proj, ly.mlp.down_proj)]
         if not (layers and isinstance(backend, CPUPagedBackend) and distributed.state().tp_size == 1
-                and _plan_class() is not None and all(map(_packed, linears))
+                and plan_class is not None and all(map(_packed, linears))
                 and all(isinstance(ly.self_attn.kv_cache, torch.Tensor | QuantizedKVCache) for ly in layers)
                 and all(lin.bias is None for ly in layers for lin in (ly.self_attn.o_proj, ly.mlp.gate_up_proj,
                                                                      ly.mlp.down_proj))):
@@ -73,9 +74,9 @@ class FusedDecode:
                     tensors.append(view)
                     self.ints += [qt, rows]
         attn = layers[0].self_attn
-        self.plan = _plan_class()(tensors, self.ints, len(layers), attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                  layers[0].input_layernorm.eps, attn.scale, f"{methods[0].ops.name}::qlinear",
-                                  self.kv_ops)
+        self.plan = plan_class(tensors, self.ints, len(layers), attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                               layers[0].input_layernorm.eps, attn.scale, f"{methods[0].ops.name}::qlinear",
+                               self.kv_ops)
         self.usable = True
 
     def stale(self) -> bool:
