@@ -1,17 +1,20 @@
 """How many tokens should n-gram speculation draft? Drafting rules replayed offline against a
 measured cost model, in seconds instead of a benchmark run per rule.
 
-Greedy decoding makes this exact: the tokens a request emits do not depend on speculation, so
-the greedy outputs of one run without it tell, for any rule and any position, how many of the
-drafts the target would have accepted. The cost of a step is measured in the same run: n-gram
-speculation with a fixed draft count verifies a growing number of rows, and a line through its
-steps' times by rows gives T(rows) = A + B (rows - 1) (B: what a verification row adds). Each
-rule's simulated time is then the sum of T over its steps, plus the prompts' measured prefill for
-end-to-end ratios (spec_decode.py's measure). The replay ignores the speculation policy
-(spec_policy.py), which can switch speculation off for a step.
+Greedy decoding makes this exact: one request at a time, the tokens it emits do not depend on
+speculation, so the greedy outputs of one run without it tell, for any rule and any position, how
+many of the drafts the target would have accepted. The cost of a step is measured in the same run,
+on the same prompts, the two engines taking turns request by request: n-gram speculation with a
+fixed draft count (16) verifies up to 17 rows (fewer where less follows the match): T(1) is its
+steps that drafted nothing, and a line through the others by rows gives T(rows) = A + B (rows - 1)
+(B: what a verification row adds). Each rule's
+simulated time is then the sum of T over its steps, against the decode steps of the run without
+speculation, timed the same way; both plus that run's prefill for end-to-end ratios
+(spec_decode.py's measure). The replay ignores the speculation policy (spec_policy.py), which can
+switch speculation off for a step.
 
     python benchmarks/ngram_policy.py --streams 16 --output-len 512
-    python benchmarks/ngram_policy.py --rules "f1:k16,f0.5:k16,f1:k32,f1:k16:n1,fixed:k16"
+    python benchmarks/ngram_policy.py --rules "f1:k16,f0.5:k16,f1:k32,f1:k16:n1,fixed:k16,f1:k16:oracle"
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ from tokenmill.utils.cpu import describe
 from tokenmill.worker.spec_decode.ngram import ngram_drafts
 
 
-def parse_rule(rule: str) -> tuple[float | None, int, int, int]:
-    """"f<factor>|fixed:k<k>[:n<n_min>][:m<n_max>]" -> (max_spec_factor, k, n_min, n_max)"""
-    factor, k, n_min, n_max = 1.0, 16, 2, 4
+def parse_rule(rule: str) -> tuple[float | None, int, int, int, bool]:
+    """"f<factor>|fixed:k<k>[:n<n_min>][:m<n_max>][:oracle]" -> (max_spec_factor, k, n_min, n_max,
+    oracle). oracle: each draft cut to the tokens that will be accepted, a bound no rule reaches."""
+    factor, k, n_min, n_max, oracle = 1.0, 16, 2, 4, False
     for part in rule.split(":"):
-        if part == "fixed":
+        if part == "oracle":
+            oracle = True
+        elif part == "fixed":
             factor = None
         elif part[0] == "f":
             factor = float(part[1:])
@@ -44,12 +50,12 @@ def parse_rule(rule: str) -> tuple[float | None, int, int, int]:
             n_min = int(part[1:])
         elif part[0] == "m":
             n_max = int(part[1:])
-    return factor, k, n_min, n_max
+    return factor, k, n_min, n_max, oracle
 
 
 def replay(outputs: list[tuple[list[int], list[int]]], rule: str) -> dict:
     """Steps, drafted and accepted tokens of `rule` over (prompt, greedy output) pairs."""
-    factor, k, n_min, n_max = parse_rule(rule)
+    factor, k, n_min, n_max, oracle = parse_rule(rule)
     steps, rows, drafted, accepted = 0, [], 0, 0
     for prompt, out in outputs:
         i = 1  # the prefill samples the first token
@@ -59,6 +65,8 @@ def replay(outputs: list[tuple[list[int], list[int]]], rule: str) -> dict:
             a = 0
             while a < len(drafts) and drafts[a] == out[i + a]:
                 a += 1
+            if oracle:
+                drafts = drafts[:a]
             steps += 1
             rows.append(len(drafts) + 1)
             drafted += len(drafts)
@@ -67,9 +75,9 @@ def replay(outputs: list[tuple[list[int], list[int]]], rule: str) -> dict:
     return {"steps": steps, "rows": rows, "drafted": drafted, "accepted": accepted}
 
 
-def measured_step_costs(llm: LLM, batch: list[str], output_len: int) -> tuple[float, float]:
-    """(A, B) of T(rows) = A + B (rows - 1) in seconds, fitted over the engine steps of one stream
-    that verify (or would have drafted), one request at a time."""
+def traced_run(llm: LLM, batch: list[str], output_len: int) -> tuple[list, list[tuple[int, float]]]:
+    """The batch's outputs, one request at a time, and (rows, seconds) of each engine step that
+    decodes (verification rows included; prefill steps left out)."""
     rows_of: list[int] = []
     times: list[tuple[int, float]] = []
     schedule, step = Scheduler.schedule, EngineCore.step
@@ -93,14 +101,10 @@ def measured_step_costs(llm: LLM, batch: list[str], output_len: int) -> tuple[fl
     Scheduler.schedule, EngineCore.step = traced_schedule, traced_step
     try:
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-        for p in batch:
-            llm.generate([p], params, use_tqdm=False)
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in batch]
     finally:
         Scheduler.schedule, EngineCore.step = schedule, step
-    r = np.array([t[0] for t in times], dtype=np.float64)
-    s = np.array([t[1] for t in times])
-    b, a = np.polyfit(r - 1, s, 1)
-    return float(a), float(b)
+    return outs, times
 
 
 def main() -> None:
@@ -108,30 +112,42 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--max-chars", type=int, default=2000)
-    ap.add_argument("--cost-streams", type=int, default=2, help="requests of the cost measurement")
-    ap.add_argument("--rules", default="f1:k16,f0.5:k16,f0.75:k16,f1.5:k16,fixed:k16,f1:k8,f1:k32,f1:k16:n1,f1:k16:n3")
+    ap.add_argument("--rules", default="f1:k16,f0.5:k16,f0.75:k16,f1.5:k16,fixed:k16,f1:k8,f1:k32,f1:k16:n1,"
+                    "f1:k16:n3,f1:k16:oracle,fixed:k32:oracle")
     args = ap.parse_args()
     print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": describe(),
                       "load": open("/proc/loadavg").read().split()[:3]}), flush=True)
     fixed = json.dumps({"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_max": 4,
                         "prompt_lookup_min": 2, "max_spec_factor": None})
-    spec = LLM(speculative_config=fixed, kv_cache_memory="2GiB", max_model_len=2048, enable_prefix_caching=False,
-               progress=False)
-    a, b = measured_step_costs(spec, prompts(args.cost_streams, args.max_chars), min(args.output_len, 256))
-    del spec
-    llm = LLM(kv_cache_memory="2GiB", max_model_len=2048, enable_prefix_caching=False, progress=False)
-    batch = prompts(args.streams, args.max_chars)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    outs = [llm.generate([p], params, use_tqdm=False)[0] for p in batch]
+    kw = dict(kv_cache_memory="2GiB", max_model_len=2048, enable_prefix_caching=False, progress=False)
+    llm, spec = LLM(**kw), LLM(speculative_config=fixed, **kw)
+    outs, plain, times = [], [], []
+    for i, p in enumerate(prompts(args.streams, args.max_chars)):  # request by request, taking turns
+        for engine in ((llm, spec) if i % 2 == 0 else (spec, llm)):
+            o, t = traced_run(engine, [p], args.output_len)
+            if engine is llm:
+                outs += o
+                plain += t
+            else:
+                times += t
+    rows = np.array([t[0] for t in times], dtype=np.float64)
+    secs = np.array([t[1] for t in times])
+    one = float(secs[rows == 1].mean())  # a step that drafted nothing
+    b, a = np.polyfit(rows[rows > 1] - 1, secs[rows > 1], 1)  # verifications: T(rows) = a + b (rows - 1)
+
+    def cost(r: int) -> float:
+        return one if r == 1 else a + b * (r - 1)
+
     prefill = sum(o.metrics.ttft for o in outs)
+    base = sum(t for _, t in plain)  # the decode steps without speculation
     outputs = [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outs]
-    tokens = sum(len(out) - 1 for _, out in outputs)
-    print(json.dumps({"step_s": round(a, 5), "row_s": round(b, 5), "row_over_step": round(b / a, 3),
-                      "prefill_s": round(prefill, 2), "decode_tokens": tokens}), flush=True)
-    base = tokens * a
+    print(json.dumps({"step_s": round(one, 5), "verification_s": round(a, 5), "row_s": round(b, 5),
+                      "row_over_step": round(b / one, 3),
+                      "step_without_s": round(base / len(plain), 5), "prefill_s": round(prefill, 2),
+                      "decode_tokens": sum(len(out) - 1 for _, out in outputs)}), flush=True)
     for rule in args.rules.split(","):
         r = replay(outputs, rule)
-        t = sum(a + b * (n - 1) for n in r.pop("rows"))
+        t = sum(map(cost, r.pop("rows")))
         print(json.dumps({"rule": rule, **r, "acceptance": round(r["accepted"] / max(r["drafted"], 1), 3),
                           "mean_accepted_length": round(1 + r["accepted"] / r["steps"], 2),
                           "decode_speedup": round(base / t, 3),
