@@ -22,6 +22,7 @@ from torch import nn
 from tokenmill.errors import ConfigError
 from tokenmill.model.layers.quantization.base import LinearMethod
 from tokenmill.model.layers.quantization.formats import BY_ID, row_bytes
+from tokenmill.model.layers.quantization.huge_pages import packed_weight_storage
 from tokenmill.model.quant_kernels import quant_ops
 from tokenmill.utils.cpu import active_isa, cpu_family, cpu_model_number, cpu_vendor
 
@@ -106,7 +107,7 @@ class PackedLinearMethod(LinearMethod):
         layer.q_out = sum(shard_sizes)
         layer.q_offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
         layer.q_in = in_features
-        layer.weight = nn.Parameter(torch.empty(layer.q_offsets[-1], dtype=torch.uint8, device=device),
+        layer.weight = nn.Parameter(packed_weight_storage(layer.q_offsets[-1], device),
                                     requires_grad=False)
         layer.weight.weight_loader = self._loader(layer)
         layer.q_views = None
