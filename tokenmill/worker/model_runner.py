@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import mmap
 import time
 
 import numpy as np
@@ -24,6 +22,7 @@ from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed.partition import split_evenly
 from tokenmill.model.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.model.attention.torch_sdpa import padded_block_table
+from tokenmill.utils.memory import zeroed_cpu_tensor
 from tokenmill.worker.request_state import GrammarSource, RequestState, RequestStates
 from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
 from tokenmill.worker.spec_decode import Proposer, speculates
@@ -32,15 +31,6 @@ from tokenmill.worker.spec_decode.rejection_sampler import RejectionSampler
 logger = logging.getLogger(__name__)
 
 _PROMPT_LOGITS_CHUNK = 256  # rows of full-vocab logits materialized at once for prompt logprobs
-
-
-def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor in fresh anonymous memory: the OS guarantees its pages read as zero and maps
-    each on first write, so a 4 GiB KV cache costs nothing at start-up (torch.zeros wrote all of
-    it: seconds) and its RSS grows only as blocks are used."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class ModelRunner:

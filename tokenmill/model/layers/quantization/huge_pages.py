@@ -9,12 +9,11 @@ AMD EPYC Zen 3: a one-row SmolLM2 step 4% faster, BENCHMARKS.md). A slice keeps 
 
 from __future__ import annotations
 
-import mmap
-
 import torch
 
+from tokenmill.utils.memory import anonymous_bytes
+
 _CHUNK = 32 << 20
-_HUGE = 2 << 20
 _ALIGN = 64
 
 
@@ -25,22 +24,12 @@ class _Arena:
 
     def take(self, nbytes: int) -> torch.Tensor:
         if nbytes > _CHUNK // 4:
-            return _region(nbytes)
+            return anonymous_bytes(nbytes, huge=True)
         if self.chunk is None or self.used + nbytes > self.chunk.numel():
-            self.chunk, self.used = _region(_CHUNK), 0
+            self.chunk, self.used = anonymous_bytes(_CHUNK, huge=True), 0
         out = self.chunk[self.used:self.used + nbytes]
         self.used += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         return out
-
-
-def _region(nbytes: int) -> torch.Tensor:
-    """nbytes of fresh anonymous memory from a 2 MiB boundary (pages mapped on first write)."""
-    buffer = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes + _HUGE)
-    skip = -whole.data_ptr() % _HUGE
-    return whole[skip:skip + nbytes]
 
 
 _arena = _Arena()
