@@ -176,7 +176,8 @@ def test_serve_checks_its_profile_before_loading_the_model(tiny_llama_dir, tmp_p
     stale.save(tmp_path / "stale.json")
     with caplog.at_level(logging.WARNING):
         state = ServerState(config, ServerConfig(slo="ttft=1s", profile=str(tmp_path / "stale.json")))
-    assert state.engine is None and state.slo_cost.model.source == "roofline"
+    # the roofline is measured once the model has loaded (not beside the core process's load)
+    assert state.engine is None and state.slo_cost.model is None and "roofline" in state.slo_cost.description
     assert "stale" in state.slo_cost.warnings[0] and "falling back to the roofline" in caplog.text
 
 

@@ -113,17 +113,19 @@ def staleness(profile: Profile, now: dt.datetime | None = None) -> list[str]:
 
 @dataclass
 class CostModelChoice:
-    model: StepCostModel
+    model: StepCostModel | None  # None: a roofline not measured yet (choose_cost_model)
     description: str  # for the report: which model, from where, how accurate
     profile_path: Path | None = None
     warnings: list[str] = field(default_factory=list)
 
 
 def choose_cost_model(spec: ModelSpec, machine: dict, profile_path: str | None = None, roofline: bool = False,
-                      model_arg: str | None = None) -> CostModelChoice:
+                      model_arg: str | None = None, measure: bool = True) -> CostModelChoice:
     """The calibrated profile for this machine and model (--profile or the default location), else the
     roofline. A profile for another machine or model raises; a stale one warns and falls back.
-    Reads no weights: callers check a profile before anything slow."""
+    Reads no weights: callers check a profile before anything slow. With `measure` False a roofline
+    choice comes without its model (None): `roofline_choice` measures the machine later, when nothing
+    else of ours runs (a server's core process loading beside the measurement halved it)."""
     model = spec.fingerprint()
     flags = " ".join(f for f in (model_arg and f"--model {model_arg}", f"--dtype {spec.dtype}",
                                  f"--num-threads {machine['num_threads']}") if f)
@@ -148,13 +150,19 @@ def choose_cost_model(spec: ModelSpec, machine: dict, profile_path: str | None =
                         f"(optimistic); {hint}")
     for w in warnings:
         logger.warning("%s", w)
+    if not measure:
+        return CostModelChoice(None, "roofline (not measured yet)", None, warnings)
+    return roofline_choice(spec, machine, warnings)
+
+
+def roofline_choice(spec: ModelSpec, machine: dict, warnings: list[str] | None = None) -> CostModelChoice:
     m = machine_measurements(machine)
     desc = (f"roofline from measured {m.bandwidth / 1e9:.1f} GB/s and "
             f"{(m.flops.get(spec.dtype) or max(m.flops.values())) / 1e12:.2f} TFLOP/s ({spec.dtype})")
-    return CostModelChoice(roofline_model(spec, m), desc, None, warnings)
+    return CostModelChoice(roofline_model(spec, m), desc, None, warnings or [])
 
 
-def cost_model_for(config, profile_path: str | None = None, roofline: bool = False
+def cost_model_for(config, profile_path: str | None = None, roofline: bool = False, measure: bool = True
                    ) -> tuple[ModelSpec, CostModelChoice]:
     """What estimate, simulate and serve --slo plan with: the model as `config` stores it (no weights
     loaded) and the step cost model of this machine for it."""
@@ -162,4 +170,4 @@ def cost_model_for(config, profile_path: str | None = None, roofline: bool = Fal
     from tokenmill.planning.model_spec import model_spec
 
     spec = model_spec(config)
-    return spec, choose_cost_model(spec, machine_of(config), profile_path, roofline, config.model.model)
+    return spec, choose_cost_model(spec, machine_of(config), profile_path, roofline, config.model.model, measure)

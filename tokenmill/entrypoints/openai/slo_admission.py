@@ -23,10 +23,12 @@ logger = logging.getLogger("tokenmill.server")
 def slo_cost_model(config: EngineConfig, profile: str | None = None) -> CostModelChoice:
     """The step cost model --slo predicts with. Cheap (no weights): the server calls it before it
     loads the model, so that a profile from another machine or model fails at once, with a clear
-    message, and a stale one warns and falls back to the roofline before the long load."""
+    message, and a stale one warns and falls back to the roofline before the long load. A roofline
+    is measured later, by SLOGate, once the model has loaded: measured beside the core process's
+    load it came out at half this machine's FLOP/s, was cached so, and rejected every request."""
     from tokenmill.planning.profile import cost_model_for
 
-    return cost_model_for(config, profile)[1]
+    return cost_model_for(config, profile, measure=False)[1]
 
 
 class SLOGate:
@@ -35,6 +37,12 @@ class SLOGate:
     def __init__(self, engine: AsyncLLMEngine, config: EngineConfig, slo: dict[str, float],
                  choice: CostModelChoice, margin: float = 0.9):
         self.engine = engine
+        if choice.model is None:
+            from tokenmill.planning.machine import machine_of
+            from tokenmill.planning.model_spec import model_spec
+            from tokenmill.planning.profile import roofline_choice
+
+            choice = roofline_choice(model_spec(config), machine_of(config), choice.warnings)
         self.cost_description = choice.description
         self.warnings = choice.warnings
         self.predictor = SLOAdmission(choice.model, slo, config.scheduler.max_num_batched_tokens,
