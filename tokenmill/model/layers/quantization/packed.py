@@ -149,7 +149,7 @@ class PackedLinearMethod(LinearMethod):
         flat = layer.weight.data
         sizes = [self.ops.x8_bytes(qt, n, layer.q_in) for qt, n in zip(self.qtypes, layer.q_rows)]
         offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-        x8 = torch.empty(offsets[-1], dtype=torch.uint8)
+        x8 = packed_weight_storage(offsets[-1], flat.device)  # on huge pages, as the loader's
         for i, (qt, n) in enumerate(zip(self.qtypes, layer.q_rows)):
             self.ops.repack_into(x8[offsets[i]:offsets[i + 1]], flat[layer.q_offsets[i]:layer.q_offsets[i + 1]],
                                  qt, n, layer.q_in)
