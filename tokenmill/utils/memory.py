@@ -3,8 +3,8 @@
 The OS maps such pages on first write and guarantees they read as zero, so a 4 GiB KV cache costs
 nothing at start-up (torch.zeros writes all of it: seconds) and its RSS grows only as blocks are
 used. `huge=True` starts the tensor on a 2 MiB boundary and advises MADV_HUGEPAGE: PyTorch's
-allocator asks for huge pages only for allocations of 2 MiB and more, and a tensor streamed every
-step (packed weights) then takes a TLB miss every 4 KiB. The tensor keeps its mapping alive.
+allocator asks for huge pages only for allocations of 2 MiB and more, so smaller tensors streamed
+every step (a layer's packed weights) took a TLB miss every 4 KiB. The tensor keeps its mapping alive.
 """
 
 from __future__ import annotations
