@@ -145,6 +145,26 @@ def test_profiles_are_tied_to_machine_and_model(tiny_llama_dir, tmp_path, monkey
     assert "days old" in choose_cost_model(spec, machine_fingerprint("cpu", 2)).warnings[0]
 
 
+def test_a_machine_measured_while_busy_is_not_cached(tmp_path, monkeypatch, caplog):
+    """Another process spinning on a core during the measurement: the figures are used, not kept
+    (kept, a figure measured beside a model's load halved the FLOP/s for good)."""
+    import subprocess
+    import sys
+
+    from tokenmill.planning.machine import machine_measurements
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with caplog.at_level(logging.WARNING):
+            m = machine_measurements(machine_fingerprint("cpu", 2))
+    finally:
+        spin.kill()
+        spin.wait()
+    assert m.bandwidth > 0 and m.flops["float32"] > 0
+    assert "not caching them" in caplog.text and not list(tmp_path.glob("profiles/machine-*.json"))
+
+
 def test_serve_checks_its_profile_before_loading_the_model(tiny_llama_dir, tmp_path, monkeypatch, caplog):
     """`serve --slo` picks its cost model when the server is built, before the weights load: a
     profile of another machine stops it at once, a stale one warns and falls back to the roofline."""

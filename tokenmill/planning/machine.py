@@ -1,12 +1,15 @@
 """This machine: a fingerprint a calibration profile is tied to, and its measured memory bandwidth and
 FLOP/s (what the roofline fallback needs). Measuring takes about a second; results are cached per
-fingerprint under ~/.cache/tokenmill/profiles."""
+fingerprint under ~/.cache/tokenmill/profiles, unless other processes (or the hypervisor) used the
+CPUs meanwhile: a figure measured on a busy machine is used once, not kept (a model loading beside
+the measurement halved its FLOP/s, and `serve --slo` then refused every request)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import time
 from dataclasses import asdict, dataclass
 
 from tokenmill.model.loader.cache import cache_root
@@ -88,9 +91,30 @@ def machine_measurements(fingerprint: dict) -> MachineMeasurements:
     import torch
 
     torch.set_num_threads(fingerprint["num_threads"])
+    before, own, t0 = _cpu_busy_seconds(), os.times(), time.monotonic()
     m = measure()
+    others = _cpu_busy_seconds() - before - (sum(os.times()[:2]) - sum(own[:2]))
+    if others > _BUSY_FRACTION * (time.monotonic() - t0):
+        logger.warning("other processes used %.1f s of CPU during the %.1f s of measuring this machine: using "
+                       "the figures now, not caching them", others, time.monotonic() - t0)
+        return m
     logger.info("measured this machine: %.1f GB/s read bandwidth, %s", m.bandwidth / 1e9,
                 ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in m.flops.items()))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**m.to_dict(), "machine": fingerprint}, indent=1))
     return m
+
+
+_BUSY_FRACTION = 0.25  # of one core, over the measurement: more from others and it is not cached
+
+
+def _cpu_busy_seconds() -> float:
+    """CPU seconds every process (and the hypervisor's steal) has used since boot, from /proc/stat;
+    0 where it cannot be read (then nothing counts as busy)."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (
+                [int(v) for v in f.readline().split()[1:9]] + [0] * 8)[:8]
+    except (OSError, ValueError):
+        return 0.0
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
