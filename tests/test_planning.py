@@ -201,6 +201,23 @@ def test_serve_checks_its_profile_before_loading_the_model(tiny_llama_dir, tmp_p
     assert "stale" in state.slo_cost.warnings[0] and "falling back to the roofline" in caplog.text
 
 
+def test_admission_never_refuses_on_an_idle_engine():
+    """A request whose idle prediction lies between the margin (90%) and its bound is admitted on an
+    idle engine (refused, no retry could ever pass); under load, one that waiting can help is refused."""
+    from tokenmill.core.messages import SchedulerLoad
+    from tokenmill.planning.admission import SLOAdmission
+
+    probe = SLOAdmission(TRUE_MODEL, {"ttft": 1.0}, 512, 16)
+    idle_ttft = probe.predict(SchedulerLoad(), 400, 8, 0.0).ttft
+    for bound in (idle_ttft / 0.95, idle_ttft / 0.5):  # above the margin, then well within it
+        gate = SLOAdmission(TRUE_MODEL, {"ttft": bound}, 512, 16)
+        assert gate.predict(SchedulerLoad(), 400, 8, 0.0).admit
+    busy = SchedulerLoad(num_running=1, num_waiting=8, running_prefill_tokens=400, waiting_prompt_tokens=3200)
+    assert not gate.predict(busy, 400, 8, 0.0).admit  # 9 prompts ahead: waiting helps
+    near = SLOAdmission(TRUE_MODEL, {"ttft": idle_ttft / 0.95}, 512, 16)
+    assert near.predict(busy, 400, 8, 0.0).admit  # never admissible: waiting cannot help
+
+
 def test_slo_messages_say_what_each_command_accepts():
     from tokenmill.bench.serve_metrics import parse_slo
     from tokenmill.planning.admission import parse_admission_slo

@@ -12,7 +12,8 @@ tokens, and the request's own lengths. The prediction (FCFS, chunked prefill):
   TPOT = time of a step with the decodes it would join (capped at max_num_seqs) plus the prefill
          tokens that arrive per step at the recent rate (solved as a fixed point).
 
-A request that would miss its SLO even on an idle engine is admitted: waiting cannot help it.
+A request that would miss its SLO even on an idle engine is admitted: waiting cannot help it. So is
+one whose idle prediction is within the bound but above the margin: an idle engine must not refuse it.
 """
 
 from __future__ import annotations
@@ -118,11 +119,13 @@ class SLOAdmission:
                 s: LoadSnapshot) -> Prediction:
         idle_ttft = self._step(0, 0, prompt_tokens, max(prompt_tokens, 1))
         idle_tpot = self._step(1, prompt_tokens + max_tokens / 2, 0, 1)
-        if self.ttft_slo is not None and ttft > self.margin * self.ttft_slo and idle_ttft <= self.ttft_slo:
+        # rejected only where waiting can get it admitted: its idle prediction within the margin (one
+        # between margin x bound and the bound was refused by an idle engine, at every retry)
+        if self.ttft_slo is not None and ttft > self.margin * self.ttft_slo >= idle_ttft:
             wait = ttft - self.margin * self.ttft_slo
             return Prediction(ttft, tpot, False, wait, f"predicted time to first token {1000 * ttft:.0f} ms "
                                                       f"exceeds the SLO of {1000 * self.ttft_slo:.0f} ms")
-        if self.tpot_slo is not None and tpot > self.margin * self.tpot_slo and idle_tpot <= self.tpot_slo:
+        if self.tpot_slo is not None and tpot > self.margin * self.tpot_slo >= idle_tpot:
             # until the running requests have produced about half of what they have left
             wait = max(left / 2 * step, step)
             return Prediction(ttft, tpot, False, wait, f"predicted time per output token {1000 * tpot:.0f} ms "
