@@ -169,3 +169,23 @@ def test_quantized_cache_needs_a_backend_that_reads_it():
         LLM(kv_cache_dtype="int8", attention_backend="torch_sdpa", progress=False)
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         LLM(kv_cache_dtype="int4", progress=False)
+
+
+@pytest.mark.parametrize("storage", [torch.int8, torch.float8_e4m3fn, torch.bfloat16])
+def test_quantized_cache_takes_memory_only_as_blocks_are_used(storage):
+    """A 1 GiB quantized pool is mapped, not written, at start-up (torch.zeros wrote all of it):
+    resident memory grows only by the blocks a write touches, and the pool reads as zeros."""
+    from tokenmill.model.attention.quant_kv import allocate
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    before = rss()
+    caches = allocate(32, 4096, 16, 4, 64, storage, "cpu")  # 32 layers x 2 x 4096 blocks x 16 x 4 x 64
+    assert caches[0].data.numel() * storage.itemsize * 32 >= 2**30
+    assert rss() - before < 64 << 20
+    caches[5].data[1, 7].fill_(1)
+    if caches[5].scale.numel():
+        caches[5].scale.fill_(0.5)
+    assert rss() - before < 128 << 20 and caches[6].data.float().abs().sum() == 0
