@@ -85,7 +85,8 @@ def machine_measurements(fingerprint: dict) -> MachineMeasurements:
     path = cache_root() / "profiles" / f"machine-{key}.json"
     try:
         d = json.loads(path.read_text())
-        return MachineMeasurements(float(d["bandwidth"]), {k: float(v) for k, v in d["flops"].items()})
+        if d.get("format") == _FORMAT:
+            return MachineMeasurements(float(d["bandwidth"]), {k: float(v) for k, v in d["flops"].items()})
     except (OSError, ValueError, KeyError, TypeError):
         pass
     import torch
@@ -101,10 +102,11 @@ def machine_measurements(fingerprint: dict) -> MachineMeasurements:
     logger.info("measured this machine: %.1f GB/s read bandwidth, %s", m.bandwidth / 1e9,
                 ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in m.flops.items()))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**m.to_dict(), "machine": fingerprint}, indent=1))
+    path.write_text(json.dumps({**m.to_dict(), "machine": fingerprint, "format": _FORMAT}, indent=1))
     return m
 
 
+_FORMAT = 2  # 2: cached only when measured on an idle machine (older files are measured again)
 _BUSY_FRACTION = 0.25  # of one core, over the measurement: more from others and it is not cached
 
 
