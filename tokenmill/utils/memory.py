@@ -31,3 +31,11 @@ def anonymous_bytes(nbytes: int, huge: bool = False) -> torch.Tensor:
 def zeroed_cpu_tensor(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = False) -> torch.Tensor:
     """A zero tensor of `shape` in fresh anonymous memory (see the module)."""
     return anonymous_bytes(math.prod(shape) * dtype.itemsize, huge).view(dtype).view(shape)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """Zeros on `device`: on the CPU in fresh anonymous memory (a KV cache's pages are mapped as its
+    blocks are used, not all written at start-up)."""
+    if torch.device(device).type == "cpu":
+        return zeroed_cpu_tensor(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -22,7 +22,7 @@ from tokenmill.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.distributed.partition import split_evenly
 from tokenmill.model.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.model.attention.torch_sdpa import padded_block_table
-from tokenmill.utils.memory import zeroed_cpu_tensor
+from tokenmill.utils.memory import zeros
 from tokenmill.worker.request_state import GrammarSource, RequestState, RequestStates
 from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
 from tokenmill.worker.spec_decode import Proposer, speculates
@@ -232,10 +232,7 @@ def allocate_kv_cache(model: torch.nn.Module, num_blocks: int, block_size: int, 
         return caches[0].data  # each layer's cache is a view of it
     # zeros, not empty: masked-out slots are still read, and garbage NaNs would poison softmax
     shape = (len(layers), 2, num_blocks, block_size, num_kv_heads, head_dim)
-    if device.type == "cpu":
-        kv_cache = zeroed_cpu_tensor(shape, dtype)
-    else:
-        kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+    kv_cache = zeros(shape, dtype, device)
     for i, layer in enumerate(layers):
         layer.kv_cache = kv_cache[i]
     return kv_cache

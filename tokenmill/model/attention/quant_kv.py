@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.config.engine import SCALED_KV_CACHE_DTYPES
 from tokenmill.errors import ConfigError
-from tokenmill.utils.memory import zeroed_cpu_tensor
+from tokenmill.utils.memory import zeros
 
 STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
            "bfloat16": torch.bfloat16}
@@ -48,15 +48,9 @@ def bytes_per_token_head(storage: torch.dtype | None, model_dtype: torch.dtype, 
 def allocate(layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
              storage: torch.dtype, device) -> list[QuantizedKVCache]:
     scaled = storage in SCALED
-    data = _zeros((layers, 2, num_blocks, block_size, kv_heads, head_dim), storage, device)
-    scale = _zeros((layers, 2, num_blocks, block_size, kv_heads) if scaled else (layers, 2, 0), torch.float32, device)
+    data = zeros((layers, 2, num_blocks, block_size, kv_heads, head_dim), storage, device)
+    scale = zeros((layers, 2, num_blocks, block_size, kv_heads) if scaled else (layers, 2, 0), torch.float32, device)
     return [QuantizedKVCache(data[i], scale[i]) for i in range(layers)]
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
-    if torch.device(device).type == "cpu":  # pages mapped as blocks are used, not all written at start-up
-        return zeroed_cpu_tensor(shape, dtype)
-    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def gather_dequantized(cache: QuantizedKVCache, which: int, block_ids: torch.Tensor, dtype: torch.dtype):
