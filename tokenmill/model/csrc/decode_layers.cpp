@@ -60,10 +60,10 @@ void write_bf16_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const a
   const float* src = qkv.data_ptr<float>();
   const int64_t row = qkv.size(1);
   for (int64_t t = 0; t < qkv.size(0); ++t) {
-    const float* k = src + t * row + q_size;
+    const float* kv = src + t * row + q_size;  // this token's K, then its V
     for (int64_t d = 0; d < kv_size; ++d) {
-      kc[slots[t] * kv_size + d] = at::BFloat16(k[d]);
-      vc[slots[t] * kv_size + d] = at::BFloat16(k[kv_size + d]);
+      kc[slots[t] * kv_size + d] = at::BFloat16(kv[d]);
+      vc[slots[t] * kv_size + d] = at::BFloat16(kv[kv_size + d]);
     }
   }
 }
@@ -181,7 +181,7 @@ struct DecodePlan : torch::CustomClassHolder {
       if (plain_kv) {
         write_plain_kv(ly.k_cache, ly.v_cache, qkv, slots, q_size, kv_size);
         tm_paged::paged_decode_attention(attn, q_rows, ly.k_cache, ly.v_cache, block_tables, seq_lens, scale);
-      } else {  // as cpu_paged.py's quantized path: the same kernels in the same order
+      } else {  // as cpu_paged.py's quantized path: the same values written, the same kernels in the same order
         if (ly.k_scale.numel()) kv_write->call(k, v, ly.k_cache, ly.v_cache, ly.k_scale, ly.v_scale, slot_mapping);
         else write_bf16_kv(ly.k_cache, ly.v_cache, qkv, slots, q_size, kv_size);
         if (!tm_paged::paged_decode_attention_scaled(attn, q_rows, ly.k_cache, ly.v_cache, ly.k_scale, ly.v_scale,
