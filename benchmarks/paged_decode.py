@@ -3,9 +3,12 @@
 a long-running engine leaves them). Pools of at least --min-kv-mib in all are used in turn (a
 model's layers), so that a call does not find an earlier call's KV in the L3 and reads it from
 DRAM. Prints the median time per call, the KV bytes it read per second and its multiply-adds
-(scores and weighted values) per second.
+(scores and weighted values) per second. A shape ending in +R gives each sequence R query rows
+of lengths ctx - R + 1 .. ctx over one block table: a speculative verification of R - 1 drafts,
+which the kernel runs together, reading each sequence's K/V once.
 
     python benchmarks/paged_decode.py [--shapes "64x9/3x64@512,16x12/2x128@2048"] [--reps 7] [--dtype float32]
+    python benchmarks/paged_decode.py --dtype float32 --shapes "1x9/3x64@700,1x9/3x64@700+16"
 """
 
 from __future__ import annotations
@@ -21,17 +24,18 @@ from tokenmill.model.kernels import load_cpu_kernels
 from tokenmill.utils.cpu import describe
 from tokenmill.worker.cpu_env import configure_cpu
 
-# B x H/Hkv x D @ ctx: SmolLM2 (9/3 heads of 64) and Qwen2.5-1.5B (12/2 heads of 128)
+# B x H/Hkv x D @ ctx [+ R rows a sequence]: SmolLM2 (9/3 heads of 64) and Qwen2.5-1.5B (12/2 heads of 128)
 SHAPES = ("64x9/3x64@512,16x9/3x64@2048,16x12/2x128@2048,4x12/2x128@8192,64x12/2x128@512,1x12/2x128@4096,"
           "1x9/3x64@512,1x9/3x64@2048")
 
 
-def parse(shape: str) -> tuple[int, int, int, int, int]:
+def parse(shape: str) -> tuple[int, int, int, int, int, int]:
     b, rest = shape.split("x", 1)
     heads, rest = rest.split("x", 1)
     d, ctx = rest.split("@")
+    ctx, _, rows = ctx.partition("+")
     h, hkv = heads.split("/")
-    return int(b), int(h), int(hkv), int(d), int(ctx)
+    return int(b), int(h), int(hkv), int(d), int(ctx), int(rows or 1)
 
 
 def main() -> None:
@@ -48,18 +52,19 @@ def main() -> None:
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
     print(f"{describe()}, {torch.get_num_threads()} threads, {args.dtype}, load {os.getloadavg()[0]:.2f}")
-    print("| B x H/Hkv x D @ ctx | us per call | KV GB/s | G multiply-adds/s |")
+    print("| B x H/Hkv x D @ ctx [+R] | us per call | KV GB/s | G multiply-adds/s |")
     print("|---|---|---|---|")
     block = 16
     for shape in args.shapes.split(","):
-        B, H, Hkv, D, ctx = parse(shape)
+        B, H, Hkv, D, ctx, R = parse(shape)
         nb = -(-ctx // block)
         pool_bytes = 2 * (B * nb + 1) * block * Hkv * D * dtype.itemsize
         pools = [(torch.randn(B * nb + 1, block, Hkv, D).to(dtype), torch.randn(B * nb + 1, block, Hkv, D).to(dtype))
                  for _ in range(max(2, -(-args.min_kv_mib * 2**20 // pool_bytes)))]
-        tables = torch.randperm(B * nb).view(B, nb)
-        lens = torch.full((B,), ctx, dtype=torch.long)
-        q = torch.randn(B, H, D).to(dtype)
+        # each sequence's R rows share its table, their lengths rising by one up to ctx
+        tables = torch.randperm(B * nb).view(B, nb).repeat_interleave(R, dim=0)
+        lens = (torch.arange(ctx - R + 1, ctx + 1, dtype=torch.long)).repeat(B)
+        q = torch.randn(B * R, H, D).to(dtype)
         out = torch.empty_like(q)
         times = []
         for _ in range(args.reps):
@@ -69,7 +74,7 @@ def main() -> None:
                 torch.ops.tokenmill.paged_decode_attention(out, q, k, v, tables, lens, D ** -0.5)
             times.append((time.perf_counter() - t0) / 20)
         t = statistics.median(times)
-        kv_bytes, macs = 2 * B * ctx * Hkv * D * dtype.itemsize, 2 * B * H * ctx * D
+        kv_bytes, macs = 2 * B * ctx * Hkv * D * dtype.itemsize, 2 * H * D * int(lens.sum())
         print(f"| {shape} | {t * 1e6:.0f} | {kv_bytes / t / 1e9:.1f} | {macs / t / 1e9:.0f} |", flush=True)
 
 
