@@ -35,6 +35,8 @@ def parse(shape: str) -> tuple[int, int, int, int, int, int]:
     d, ctx = rest.split("@")
     ctx, _, rows = ctx.partition("+")
     h, hkv = heads.split("/")
+    if not 1 <= int(rows or 1) <= int(ctx):
+        raise SystemExit(f"{shape}: a sequence's rows must be 1..ctx")
     return int(b), int(h), int(hkv), int(d), int(ctx), int(rows or 1)
 
 
@@ -63,7 +65,7 @@ def main() -> None:
                  for _ in range(max(2, -(-args.min_kv_mib * 2**20 // pool_bytes)))]
         # each sequence's R rows share its table, their lengths rising by one up to ctx
         tables = torch.randperm(B * nb).view(B, nb).repeat_interleave(R, dim=0)
-        lens = (torch.arange(ctx - R + 1, ctx + 1, dtype=torch.long)).repeat(B)
+        lens = torch.arange(ctx - R + 1, ctx + 1, dtype=torch.long).repeat(B)
         q = torch.randn(B * R, H, D).to(dtype)
         out = torch.empty_like(q)
         times = []
