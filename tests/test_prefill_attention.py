@@ -96,3 +96,42 @@ def test_engine_prompts_through_the_kernel_match_sdpa():
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok, lp in lb.items():
                 assert abs(la[tok].logprob - lp.logprob) < 1e-4
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.int8])
+def test_quantized_cache_prompts_through_the_kernel_match_sdpa(storage, monkeypatch):
+    """A bf16 or int8 cache under fp32 queries: a fresh prompt (its own K/V) and a chunk after cached
+    context (the context dequantized) through the kernel equal SDPA's rows within fp32 rounding.
+    (Through the engine the two differ more: a rounding difference in one layer can move a code of
+    the next layer's cache by a step.)"""
+    from tokenmill.model.attention.backend import BatchLayout
+    from tokenmill.model.attention.cpu_paged import CPUPagedBackend
+    from tokenmill.model.attention.quant_kv import allocate
+
+    heads, hkv, d, bs = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(0)
+    cache = allocate(1, 16, bs, hkv, d, storage, torch.device("cpu"))[0]
+    backend = CPUPagedBackend(bs, torch.device("cpu"))
+    tables = [[3, 7, 1], [9, 2, 12, 5, 0]]
+    taken = []
+    kernel_call = CPUPagedBackend._prefill_contiguous
+    monkeypatch.setattr(CPUPagedBackend, "_prefill_contiguous",
+                        staticmethod(lambda *a: taken.append(kernel_call(*a)) or taken[-1]))
+
+    def step(query_lens, seq_lens, kernel):
+        n = sum(query_lens)
+        q, k, v = (torch.randn(n, h, d, generator=g) for h in (heads, hkv, hkv))
+        slots = torch.cat([torch.tensor([tables[i][t // bs] * bs + t % bs for t in range(s - ql, s)])
+                           for i, (ql, s) in enumerate(zip(query_lens, seq_lens))])
+        meta = backend.build_metadata(BatchLayout(query_lens, seq_lens, tables, slots, 0))
+        backend.prefill_kernel = kernel
+        return backend.forward(q, k, v, cache, meta, 0.125)
+
+    step([40, 46], [40, 46], False)  # the second sequence's first 46 tokens into the cache
+    inputs = g.get_state()
+    outs = []
+    for kernel in (True, False):  # the same inputs both ways (the second write stores the same codes)
+        g.set_state(inputs)
+        outs.append(step([33, 24], [33, 70], kernel))
+    assert taken == [True, True]  # both chunks went through the kernel
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5)
