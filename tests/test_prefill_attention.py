@@ -98,9 +98,9 @@ def test_engine_prompts_through_the_kernel_match_sdpa():
                 assert abs(la[tok].logprob - lp.logprob) < 1e-4
 
 
-@pytest.mark.parametrize("storage", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 def test_quantized_cache_prompts_through_the_kernel_match_sdpa(storage, monkeypatch):
-    """A bf16 or int8 cache under fp32 queries: a fresh prompt (its own K/V) and a chunk after cached
+    """A bf16, int8 or fp8 cache under fp32 queries: a fresh prompt (its own K/V) and a chunk after cached
     context (the context dequantized) through the kernel equal SDPA's rows within fp32 rounding.
     (Through the engine the two differ more: a rounding difference in one layer can move a code of
     the next layer's cache by a step.)"""
