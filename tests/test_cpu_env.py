@@ -28,3 +28,19 @@ def test_big_buffers_after_load_are_not_faulted_in_again():
     _faults_filling_a_big_buffer()  # the heap grows once
     # mapped afresh it takes a fault per page, or per 2 MiB huge page (THP_MEM_ALLOC_ENABLE) and more
     assert _faults_filling_a_big_buffer() < BIG // (2 << 20), "a freed 64 MiB buffer was given back to the OS"
+
+
+def test_bf16_without_fast_bf16_gemms_is_warned(caplog):
+    """--dtype bfloat16 on a CPU whose default is fp32 (no AVX512-BF16 or AMX) says it runs slower;
+    where bf16 is fast, or with the default dtype, nothing is said."""
+    import logging
+
+    from tokenmill.utils.cpu import has_fast_bf16
+
+    warned = {}
+    for dtype in ("bfloat16", "auto"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tokenmill.worker.worker"):
+            LLM(dtype=dtype, progress=False, kv_cache_memory="64MiB", max_model_len=256)
+        warned[dtype] = any("runs slower than float32" in r.getMessage() for r in caplog.records)
+    assert warned == {"bfloat16": not has_fast_bf16(), "auto": False}
