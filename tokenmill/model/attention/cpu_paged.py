@@ -136,8 +136,8 @@ class CPUPagedBackend(TorchSDPABackend):
     @staticmethod
     def _prefill_contiguous(q, kp, vp, p, scale: float, out) -> bool:
         """A chunk's rows through the fp32 prompt kernel over K/V [ctx_len, Hkv, D] in fp32 (a quantized
-        cache's context dequantized, or a fresh chunk's own K/V): one block of them. SDPA ran a
-        2048-token SmolLM2 prompt ~1.3x slower with a bf16 cache than the kernel with an fp32 one."""
+        cache's context dequantized, or a fresh chunk's own K/V): one block of them. SmolLM2's prompts
+        of 512 and 2048 tokens over a bf16 or int8 cache prefilled 1.07-1.14x faster so than with SDPA."""
         if kp.dtype != torch.float32:
             return False
         kc, vc = (x.contiguous().unsqueeze(0) for x in (kp, vp))  # [1, ctx_len, Hkv, D]
