@@ -35,9 +35,10 @@ def parse(shape: str) -> tuple[int, int, int, int, int, int]:
     d, ctx = rest.split("@")
     ctx, _, rows = ctx.partition("+")
     h, hkv = heads.split("/")
-    if not 1 <= int(rows or 1) <= int(ctx):
+    r = int(rows or 1)
+    if not 1 <= r <= int(ctx):
         raise SystemExit(f"{shape}: a sequence's rows must be 1..ctx")
-    return int(b), int(h), int(hkv), int(d), int(ctx), int(rows or 1)
+    return int(b), int(h), int(hkv), int(d), int(ctx), r
 
 
 def main() -> None:
