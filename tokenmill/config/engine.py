@@ -143,7 +143,8 @@ class QuantizationConfig:
 
     quantization: str = opt("Weight quantization: auto (a .gguf runs in its own types on CPU, else none), none "
                             "(dequantize a GGUF at load to --dtype), gguf (keep GGUF blocks packed: Q4_0, Q4_1, "
-                            "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K run natively, other types are dequantized), int8 "
+                            "Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K run natively, Q3_K, IQ4_NL, IQ4_XS as Q8_0, other "
+                            "types are dequantized), int8 "
                             "(per-channel) or int4 (per group, see --quant-group-size) weight-only quantization of a "
                             "Hugging Face folder at load.", "auto", choices=list(QUANTIZATIONS))
     quant_group_size: int = opt("Weights per int4 group: 32 or 128.", 128, choices=[32, 128])

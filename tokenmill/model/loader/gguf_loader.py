@@ -185,13 +185,14 @@ def _raw(data: np.ndarray, name: str, t: dict) -> np.ndarray:
 def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: set[str] = frozenset(),
                  keep=None) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, tensor) pairs: tensors named in `packed` as their raw blocks ([rows, bytes per row]
-    uint8, Llama's Q/K rows permuted back whole), the others dequantized on a small thread pool
-    (numpy releases the GIL). `keep(hf_name)` False skips a tensor unread (another pipeline
-    stage's). Every block's scales are checked first: a corrupt block is an error."""
+    uint8, Llama's Q/K rows permuted back whole; a type without a kernel rewritten as Q8_0), the
+    others dequantized on a small thread pool (numpy releases the GIL). `keep(hf_name)` False skips
+    a tensor unread (another pipeline stage's). Every block's scales are checked first: a corrupt block is an error."""
     import torch
     from gguf.quants import dequantize
 
     from tokenmill.model.layers.quantization.formats import BY_ID, check_blocks
+    from tokenmill.model.layers.quantization.gguf_repack import REPACKED, repack_rows
 
     index = json.loads((prepare(path) / "tensors.json").read_text())
     # copy-on-write: views of it are writable tensors, and the packed ones go to the repack unread
@@ -205,7 +206,10 @@ def iter_weights(path: Path, cfg: ModelConfig, dtype: torch.dtype, packed: set[s
         if t["type"] in BY_ID:
             check_blocks(name, raw, t["type"])
         hf = hf_tensor_name(name)
-        if hf in packed:
+        if hf in packed and t["type"] in REPACKED:  # a type without a kernel, as Q8_0 blocks (gguf_repack.py)
+            arr = repack_rows(raw.reshape(t["shape"][0], -1), t["type"])
+            check_blocks(name, arr, REPACKED[t["type"]])
+        elif hf in packed:
             arr = raw.reshape(t["shape"][0], -1)
         else:
             arr = dequantize(raw, t["type"]).reshape(t["shape"])
