@@ -56,6 +56,7 @@ def test_kinds_are_kept_from_the_least_harmful_while_the_set_stays_in_budget():
     assert v["bits"] == {"e": 16} and v["change"] == 0
 
 
+@pytest.mark.slow
 def test_auto_measures_once_and_keeps_the_verdict(tmp_path, monkeypatch):
     cache = tmp_path / "act_bits.json"
     monkeypatch.setattr(act_bits, "VERDICTS", VerdictFile("act_bits.json", cache))

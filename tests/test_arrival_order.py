@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import random
 
+import pytest
+
 from tests.test_core_process import ENGINE, _logprobs, _mixed_requests, _summary, assert_logprobs_close
 from tokenmill import LLM
 from tokenmill.sampling_params import RequestOutputKind
@@ -36,6 +38,7 @@ def _run(llm: LLM, prompts, params, tag: str, rng: random.Random | None):
     return outs
 
 
+@pytest.mark.slow
 def test_staggered_arrivals_match_all_at_once():
     prompts, params = _mixed_requests(36)
     llm = LLM(**ENGINE)

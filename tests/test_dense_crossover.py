@@ -79,6 +79,7 @@ def test_a_mixed_layer_takes_the_crossover_of_most_of_its_bytes(monkeypatch):
     assert fixed.dense_min_rows == 64  # --quant-dense-min-rows holds whatever the codes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits", ["auto", "auto-kept-8", 8])
 def test_loaded_model_uses_the_crossover_of_its_codes(bits, tmp_path, monkeypatch):
     """The crossover is settled after `auto` picks the codes (built as 16, then 8 from a kept

@@ -67,6 +67,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_identical_alone_and_among_64(reference, name):
     prompts, alone = reference
@@ -99,6 +100,7 @@ def reference_bf16_invariant():
     return prompts, alone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["prefix-cache-on", "chunk-16", "tiny-pool"])
 def test_bf16_batch_invariant_mode_is_exact(reference_bf16_invariant, name):
     prompts, alone = reference_bf16_invariant
@@ -115,6 +117,7 @@ def test_bf16_batch_invariant_mode_is_exact(reference_bf16_invariant, name):
     gc.collect()
 
 
+@pytest.mark.slow
 def test_bf16_batched_greedy_is_within_near_ties(smol_bf16):
     prompts = _prompts(smol_bf16.get_tokenizer())[:32]
     outs = smol_bf16.generate(prompts, PARAMS, use_tqdm=False)

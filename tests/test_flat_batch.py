@@ -92,6 +92,7 @@ def _random_chunks(driver, seqs, seed):
     return [torch.cat(g) for g in got]
 
 
+@pytest.mark.slow
 def test_batching_adds_no_bf16_error(smol_bf16, smol_fp32):
     """bf16 kernels of different shapes round differently, so a token's logits computed in a mixed
     batch differ from alone by bf16 noise (up to ~0.13 total variation at single positions of this

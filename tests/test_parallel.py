@@ -94,6 +94,7 @@ def test_tp2_greedy_identical_to_tp1_qwen_coder_05b():
     assert_same(ref, got)
 
 
+@pytest.mark.slow
 def test_tp2_on_ray_matches_tp1(tiny_llama_dir):
     ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'tokenmill[ray]')")
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

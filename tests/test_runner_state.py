@@ -67,6 +67,7 @@ def test_preempted_request_resumes_where_it_left_off(tiny_llm, params):
     assert not runner.requests
 
 
+@pytest.mark.slow
 def test_sampling_across_preemption_matches_running_alone():
     """Seeded and penalized requests under constant preemption (fp32, dense weights): the same tokens
     as alone."""

@@ -54,6 +54,7 @@ def reference_fp32():
     return prompts, outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["prefix-cache-on", "chunk-16", "tiny-pool"])
 def test_ngram_greedy_identical_to_no_speculation(reference_fp32, name):
     # adaptive off: every step drafts, also beside prefill chunks (which the policy never drafts
@@ -78,6 +79,7 @@ def test_ngram_greedy_identical_to_no_speculation(reference_fp32, name):
     gc.collect()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["ngram", "draft-int4"])
 def test_greedy_identical_in_bf16_batch_invariant(proposer, smol_path):
     """Packed weights in bf16; the draft is SmolLM2 itself requantized to int4 at load (its Q8_0
@@ -179,6 +181,7 @@ def test_draft_model_greedy_identical_to_no_speculation(reference_fp32, smol_pat
         gc.collect()
 
 
+@pytest.mark.slow
 def test_draft_stops_after_its_first_unlikely_token(reference_fp32, tiny_llama_dir):
     """A random draft gives every token well under p_min 0.99: each proposal is the first pass's
     guess alone (proposed, then no more passes), and the output stays the target's."""
@@ -193,6 +196,7 @@ def test_draft_stops_after_its_first_unlikely_token(reference_fp32, tiny_llama_d
     _check_clean(llm)
 
 
+@pytest.mark.slow
 def test_a_draft_model_drafts_by_prompt_lookup_where_the_text_repeats(reference_fp32, tiny_llama_dir):
     """A random draft is almost never right; with lookup first, the repetitive prompts' matches draft
     instead, several tokens at a time, and are kept; the output stays the target's either way."""

@@ -38,6 +38,7 @@ def _check_corpus(llm, schemas, max_tokens: int, seed: int) -> None:
     assert finished >= 0.6 * len(schemas), f"only {finished}/{len(schemas)} outputs finished"
 
 
+@pytest.mark.slow
 def test_json_schema_corpus_sample(smol_fp32):
     """A fixed quarter of the corpus (suite and generated schemas) in the default run."""
     _check_corpus(smol_fp32, CORPUS[::4], max_tokens=96, seed=0)
@@ -104,6 +105,7 @@ def test_invalid_spec_is_rejected_before_anything_runs(smol_fp32):
     assert not smol_fp32.engine.has_unfinished_requests()
 
 
+@pytest.mark.slow
 def test_greedy_survives_preemption_and_prefix_caching(smol_fp32):
     """A pool too small for the batch preempts constrained requests (the runner keeps their
     tokens and matchers); prompts share a prefix (prefix-cache hits). Greedy outputs equal those of
