@@ -42,6 +42,8 @@ def test_exact_types_become_the_same_weights(qtype):
     raw = random_rows(qtype, 9, 1024, rng, 0.01, extremes=True)
     got = dequantize(repack_rows(raw, qtype), Q8_0).reshape(9, 1024)
     np.testing.assert_array_equal(got, dequantize(raw, qtype).reshape(9, 1024))
+    # a few rows at a time (as for an embedding's millions of weights): the same bytes
+    np.testing.assert_array_equal(repack_rows(raw, qtype, chunk_weights=2048), repack_rows(raw, qtype))
     if qtype == Q3_K:  # the largest-magnitude code (-32 * -4 = +128) really occurred, stored negated
         q8 = repack_rows(raw, qtype).reshape(-1, 34)
         assert (q8[:, 2:].view(np.int8) == -128).any()

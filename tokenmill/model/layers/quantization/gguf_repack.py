@@ -81,9 +81,16 @@ def _iq4_xs(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 _REPACK = {Q3_K: _q3_k, IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs}
 
 
-def repack_rows(raw: np.ndarray, qtype: int) -> np.ndarray:
-    """Rows of a file's blocks ([rows, bytes]) -> the same rows as Q8_0 blocks."""
-    rows = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(-1, _BLOCK_BYTES[qtype])
-    scales, codes = _REPACK[qtype](blocks)
-    return _q8_0_rows(rows, scales.reshape(rows, -1), codes.reshape(rows, -1, 32))
+def repack_rows(raw: np.ndarray, qtype: int, chunk_weights: int = 1 << 22) -> np.ndarray:
+    """Rows of a file's blocks ([rows, bytes]) -> the same rows as Q8_0 blocks, a few million
+    weights at a time (the int16 intermediates of a whole embedding would take gigabytes)."""
+    rows, size = raw.shape[0], _BLOCK_BYTES[qtype]
+    weights_per_row = raw.shape[1] // size * (256 if qtype != IQ4_NL else 32)
+    out = np.empty((rows, weights_per_row // 32 * 34), dtype=np.uint8)
+    step = max(1, chunk_weights // weights_per_row)
+    for r in range(0, rows, step):
+        part = raw[r:r + step]
+        scales, codes = _REPACK[qtype](np.ascontiguousarray(part).reshape(-1, size))
+        out[r:r + step] = _q8_0_rows(part.shape[0], scales.reshape(part.shape[0], -1),
+                                     codes.reshape(part.shape[0], -1, 32))
+    return out
