@@ -22,7 +22,7 @@ Q8_0, Q3_K, IQ4_NL, IQ4_XS = 8, 11, 20, 23
 REPACKED = {Q3_K: Q8_0, IQ4_NL: Q8_0, IQ4_XS: Q8_0}  # ggml type in the file -> the kernels' type
 EXACT = {Q3_K, IQ4_NL}
 IQ4_TABLE = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
-_BLOCK_BYTES = {Q3_K: 110, IQ4_NL: 18, IQ4_XS: 136}
+_BLOCK = {Q3_K: (256, 110), IQ4_NL: (32, 18), IQ4_XS: (256, 136)}  # weights, bytes
 
 
 def kernel_type(qtype: int | None) -> int | None:
@@ -84,8 +84,8 @@ _REPACK = {Q3_K: _q3_k, IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs}
 def repack_rows(raw: np.ndarray, qtype: int, chunk_weights: int = 1 << 22) -> np.ndarray:
     """Rows of a file's blocks ([rows, bytes]) -> the same rows as Q8_0 blocks, a few million
     weights at a time (the int16 intermediates of a whole embedding would take gigabytes)."""
-    rows, size = raw.shape[0], _BLOCK_BYTES[qtype]
-    weights_per_row = raw.shape[1] // size * (256 if qtype != IQ4_NL else 32)
+    (weights, size), rows = _BLOCK[qtype], raw.shape[0]
+    weights_per_row = raw.shape[1] // size * weights
     out = np.empty((rows, weights_per_row // 32 * 34), dtype=np.uint8)
     step = max(1, chunk_weights // weights_per_row)
     for r in range(0, rows, step):
