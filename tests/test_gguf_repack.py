@@ -20,7 +20,6 @@ from tokenmill.model.quant_kernels import quant_kernels_available
 
 # ggml type -> (weights per block, bytes per block, byte offset of the fp16 scale d)
 LAYOUT = {Q3_K: (256, 110, 108), IQ4_NL: (32, 18, 0), IQ4_XS: (256, 136, 0)}
-NAMES = {Q3_K: "Q3_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}
 
 
 def random_rows(qtype: int, rows: int, k: int, rng, scale: float, extremes: bool = False) -> np.ndarray:
