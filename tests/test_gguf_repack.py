@@ -18,6 +18,8 @@ from tokenmill.model.layers.quantization.gguf_repack import IQ4_NL, IQ4_XS, Q3_K
 from tokenmill.model.loader import gguf_loader, resolve_model
 from tokenmill.model.quant_kernels import quant_kernels_available
 
+from .tiny_gguf import assert_greedy_close, tiny_prompts, write_tiny_gguf
+
 # ggml type -> (weights per block, bytes per block, byte offset of the fp16 scale d)
 LAYOUT = {Q3_K: (256, 110, 108), IQ4_NL: (32, 18, 0), IQ4_XS: (256, 136, 0)}
 
@@ -57,27 +59,13 @@ def test_iq4_xs_scales_are_rounded_to_fp16_only():
     assert not np.array_equal(got, ref)  # a 6-bit scale times d needs more than fp16's 11 bits
 
 
-HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 49152
 # each kind of layer in a type without a kernel, and one in a type with one (Q8_0 beside a rewritten one)
 TYPES = {"token_embd": Q3_K, "attn_q": Q3_K, "attn_k": IQ4_XS, "attn_v": Q8_0, "attn_output": IQ4_NL,
          "ffn_gate": Q3_K, "ffn_up": IQ4_XS, "ffn_down": Q3_K, "output": IQ4_NL}
 
 
 def write_tiny_llama(path, corrupt: str | None = None) -> None:
-    import gguf
-
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-repacked-llama")
-    w.add_context_length(1024)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(INTER)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
 
     def packed(name, kind, n, k):
         t = TYPES[kind]
@@ -89,29 +77,10 @@ def write_tiny_llama(path, corrupt: str | None = None) -> None:
             rows = random_rows(t, n, k, rng, {Q3_K: 0.002, IQ4_NL: 0.001, IQ4_XS: 0.0001}[t])
         if name == corrupt:
             rows[3, LAYOUT[t][2] + 1] = 0x7C  # the first block's d -> inf
-        w.add_tensor(name, rows, raw_shape=rows.shape, raw_dtype=gguf.GGMLQuantizationType(t))
+        return rows, t
 
-    def norm(name):
-        w.add_tensor(name, (1 + rng.standard_normal(HIDDEN) * 0.1).astype(np.float32))
-
-    kv = KV_HEADS * HIDDEN // HEADS
-    packed("token_embd.weight", "token_embd", VOCAB, HIDDEN)
-    for i in range(LAYERS):
-        b = f"blk.{i}."
-        norm(b + "attn_norm.weight")
-        for proj, n in (("q", HIDDEN), ("k", kv), ("v", kv)):
-            packed(b + f"attn_{proj}.weight", f"attn_{proj}", n, HIDDEN)
-        packed(b + "attn_output.weight", "attn_output", HIDDEN, HIDDEN)
-        norm(b + "ffn_norm.weight")
-        packed(b + "ffn_gate.weight", "ffn_gate", INTER, HIDDEN)
-        packed(b + "ffn_up.weight", "ffn_up", INTER, HIDDEN)
-        packed(b + "ffn_down.weight", "ffn_down", HIDDEN, INTER)
-    norm("output_norm.weight")
-    packed("output.weight", "output", VOCAB, HIDDEN)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tiny_gguf(path, "llama", "tiny-repacked-llama", packed,
+                    lambda n: (1 + rng.standard_normal(n) * 0.1).astype(np.float32), norm_eps=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +97,7 @@ def _llm(path, tokenizer, **kw) -> LLM:
 def test_a_model_in_types_without_kernels_runs_packed_and_matches_the_dequantized_model(tmp_path, tokenizer, caplog):
     path = tmp_path / "tiny-repacked.gguf"
     write_tiny_llama(path)
-    rng = np.random.default_rng(1)
-    prompts = [[1] + rng.integers(3, VOCAB, size=int(rng.integers(4, 40))).tolist() for _ in range(6)]
+    prompts = tiny_prompts()
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     outs = {}
     for q in ("gguf", "none"):
@@ -146,10 +114,7 @@ def test_a_model_in_types_without_kernels_runs_packed_and_matches_the_dequantize
         outs[q] = llm.generate(prompts, greedy, use_tqdm=False)
         del llm
         gc.collect()
-    for a, b in zip(outs["gguf"], outs["none"]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
-            assert abs(la[t].logprob - lb[t].logprob) < 0.01, (la[t], lb[t])
+    assert_greedy_close(outs["gguf"], outs["none"])
 
 
 @pytest.mark.skipif(not quant_kernels_available(), reason="no C++ toolchain")

@@ -15,58 +15,30 @@ import numpy as np
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.layers.quantization.formats import random_blocks
+from tokenmill.model.layers.quantization.formats import FORMATS, random_blocks
 from tokenmill.model.loader import gguf_loader, resolve_model
 from tokenmill.model.quant_kernels import quant_kernels_available
 
+from .tiny_gguf import assert_greedy_close, tiny_prompts, write_tiny_gguf
+
 pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ toolchain")
-HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 49152
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 
 
+# Qwen2.5-Coder's mix: q, k and v merge into one layer of two types
+KQUANT_TYPES = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+                "ffn_gate": "Q4_K", "ffn_up": "Q5_0", "ffn_down": "Q6_K", "output": "Q6_K"}
+
+
 def write_tiny_kquant_gguf(path, seed: int = 0) -> None:
-    import gguf
-
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_name("tiny-kquant-qwen2")
-    w.add_context_length(1024)
-    w.add_embedding_length(HIDDEN)
-    w.add_block_count(LAYERS)
-    w.add_feed_forward_length(INTER)
-    w.add_head_count(HEADS)
-    w.add_head_count_kv(KV_HEADS)
-    w.add_rope_freq_base(1e6)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
 
-    def packed(name, fmt, n, k):
-        rows = random_blocks(fmt, n, k, rng, scale=0.002, extremes=False)
-        w.add_tensor(name, rows, raw_shape=rows.shape, raw_dtype=gguf.GGMLQuantizationType[fmt])
+    def packed(name, kind, n, k):
+        fmt = KQUANT_TYPES[kind]
+        return random_blocks(fmt, n, k, rng, scale=0.002, extremes=False), FORMATS[fmt].id
 
-    def dense(name, n):
-        w.add_tensor(name, (rng.standard_normal(n) * 0.1).astype(np.float32))
-
-    kv = KV_HEADS * HIDDEN // HEADS
-    packed("token_embd.weight", "Q4_K", VOCAB, HIDDEN)
-    for i in range(LAYERS):
-        b = f"blk.{i}."
-        dense(b + "attn_norm.weight", HIDDEN)
-        for proj, fmt, n in (("q", "Q4_K", HIDDEN), ("k", "Q4_K", kv), ("v", "Q6_K", kv)):
-            packed(b + f"attn_{proj}.weight", fmt, n, HIDDEN)
-            dense(b + f"attn_{proj}.bias", n)
-        packed(b + "attn_output.weight", "Q4_K", HIDDEN, HIDDEN)
-        dense(b + "ffn_norm.weight", HIDDEN)
-        packed(b + "ffn_gate.weight", "Q4_K", INTER, HIDDEN)
-        packed(b + "ffn_up.weight", "Q5_0", INTER, HIDDEN)
-        packed(b + "ffn_down.weight", "Q6_K", HIDDEN, INTER)
-    dense("output_norm.weight", HIDDEN)
-    packed("output.weight", "Q6_K", VOCAB, HIDDEN)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_tiny_gguf(path, "qwen2", "tiny-kquant-qwen2", packed,
+                    lambda n: (rng.standard_normal(n) * 0.1).astype(np.float32), biases=True, rope_base=1e6)
 
 
 @pytest.fixture(scope="module")
@@ -86,24 +58,16 @@ def _llm(tiny, **kw) -> LLM:
     return LLM(model=str(path), tokenizer=tokenizer, **{**args, **kw})
 
 
-def _prompts(n: int = 6) -> list[list[int]]:
-    rng = np.random.default_rng(1)
-    return [[1] + rng.integers(3, VOCAB, size=int(rng.integers(4, 40))).tolist() for _ in range(n)]
-
-
 def test_native_kquants_match_the_dequantized_model(tiny_kquant):
     """Native K-quant products against the same GGUF dequantized to fp32, with 16-bit activation
     codes (measured: logprobs within 0.001; 8-bit codes move this random model's by up to 0.4)."""
     outs = {}
     for q, bits in (("gguf", 16), ("none", "auto")):
         llm = _llm(tiny_kquant, quantization=q, dtype="float32", quant_act_bits=bits)
-        outs[q] = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+        outs[q] = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
         del llm
         gc.collect()
-    for a, b in zip(outs["gguf"], outs["none"]):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
-            assert abs(la[t].logprob - lb[t].logprob) < 0.01, (la[t], lb[t])
+    assert_greedy_close(outs["gguf"], outs["none"])
 
 
 @pytest.mark.parametrize("draft_quantization", ["int4", None])
@@ -115,14 +79,14 @@ def test_kquant_model_drafting_for_itself(tiny_kquant, draft_quantization):
     is in the file (its codes measured as well), on nearly all."""
     args = dict(dtype="bfloat16", batch_invariant=True)
     llm = _llm(tiny_kquant, **args)
-    ref = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    ref = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
     del llm
     draft = tiny_kquant[0].with_name("tiny-kquant-draft.gguf")
     spec = {"model": str(draft), "num_speculative_tokens": 3, "draft_lookup_min": 0, "adaptive": False}
     if draft_quantization:
         spec["quantization"] = draft_quantization
     llm = _llm(tiny_kquant, speculative_config=json.dumps(spec), **args)
-    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    outs = llm.generate(tiny_prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
     stats = llm.engine.core.stats().spec_decoding
     assert stats.num_draft_tokens > 0 and stats.acceptance_rate > (0.5 if draft_quantization else 0.9), stats
@@ -146,4 +110,4 @@ def test_auto_codes_leave_no_method_unset_with_an_untied_embedding(tiny_kquant, 
     assert methods["model.embed_tokens"] is not methods["lm_head"]  # untied: Q4_K table, Q6_K head
     assert methods["model.embed_tokens"].act_bits == 16
     assert all(m.act_bits in (8, 16) for m in methods.values())
-    assert llm.generate(_prompts(1), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(tiny_prompts(1), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
