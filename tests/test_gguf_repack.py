@@ -13,10 +13,12 @@ import pytest
 from gguf.quants import dequantize
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
 from tokenmill.model.layers.quantization.gguf_repack import IQ4_NL, IQ4_XS, Q3_K, Q8_0, repack_rows
 from tokenmill.model.loader import gguf_loader, resolve_model
 from tokenmill.model.quant_kernels import quant_kernels_available
+from tokenmill.planning.model_spec import model_spec
 
 from .tiny_gguf import assert_greedy_close, tiny_prompts, write_tiny_gguf
 
@@ -111,6 +113,10 @@ def test_a_model_in_types_without_kernels_runs_packed_and_matches_the_dequantize
             weights = llm.engine.core.worker.weight_bytes
         else:
             assert llm.engine.core.worker.weight_bytes > 3 * weights  # fp32 copies: 32 bits against 8.5
+        # what `tokenmill estimate` plans for, without loading the weights
+        planned = model_spec(EngineConfig.from_kwargs(model=str(path), tokenizer=tokenizer, dtype="float32",
+                                                      quantization=q)).weight_bytes
+        assert abs(planned - llm.engine.core.worker.weight_bytes) <= 0.02 * planned, (q, planned)
         outs[q] = llm.generate(prompts, greedy, use_tqdm=False)
         del llm
         gc.collect()

@@ -74,14 +74,27 @@ def total_params(c: ModelConfig) -> int:
     return c.vocab_size * c.hidden_size + linear_params(c) + c.num_hidden_layers * bias + norms + head
 
 
-def _gguf_packed_bytes(source) -> int:
-    """Bytes of the GGUF's tensors as stored (packed quantized blocks)."""
+def _gguf_resident_bytes(source, dtype_bytes: int) -> int:
+    """Bytes of the GGUF's tensors as `quantization="gguf"` holds them: a type the kernels read as
+    stored; Q3_K, IQ4_NL and IQ4_XS as Q8_0 blocks (8.5 bits a weight); any other type, and float
+    tensors, at the model dtype (layers/quantization/gguf.py)."""
     import numpy as np
 
+    from tokenmill.model.layers.quantization.formats import BY_ID
+    from tokenmill.model.layers.quantization.gguf_repack import REPACKED
     from tokenmill.model.loader import gguf_loader
 
     index = json.loads((gguf_loader.prepare(source.path) / "tensors.json").read_text())
-    return sum(int(np.prod(t["data_shape"])) * np.dtype(t["data_dtype"]).itemsize for t in index.values())
+    total = 0
+    for t in index.values():
+        weights = int(np.prod(t["shape"]))
+        if t["type"] in REPACKED:
+            total += weights // 32 * 34
+        elif t["type"] in BY_ID:
+            total += int(np.prod(t["data_shape"])) * np.dtype(t["data_dtype"]).itemsize
+        else:
+            total += weights * dtype_bytes
+    return total
 
 
 def resolve_quantization(config: EngineConfig, source) -> str:
@@ -103,7 +116,7 @@ def model_spec(config: EngineConfig) -> ModelSpec:
     quant = resolve_quantization(config, source)
     dense = total_params(mc) * _DTYPE_BYTES[dtype]
     if quant == "gguf":
-        weights = _gguf_packed_bytes(source)
+        weights = _gguf_resident_bytes(source, _DTYPE_BYTES[dtype])
     elif quant in ("int8", "int4"):
         weights = (dense - linear_params(mc) * _DTYPE_BYTES[dtype]
                    + quantized_linear_bytes(mc, quant, config.quant.quant_group_size))
