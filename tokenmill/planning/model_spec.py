@@ -80,7 +80,7 @@ def _gguf_resident_bytes(source, dtype_bytes: int) -> int:
     tensors, at the model dtype (layers/quantization/gguf.py)."""
     import numpy as np
 
-    from tokenmill.model.layers.quantization.formats import BY_ID
+    from tokenmill.model.layers.quantization.formats import BY_ID, row_bytes
     from tokenmill.model.layers.quantization.gguf_repack import REPACKED
     from tokenmill.model.loader import gguf_loader
 
@@ -89,7 +89,7 @@ def _gguf_resident_bytes(source, dtype_bytes: int) -> int:
     for t in index.values():
         weights = int(np.prod(t["shape"]))
         if t["type"] in REPACKED:
-            total += weights // 32 * 34
+            total += t["shape"][0] * row_bytes(REPACKED[t["type"]], weights // t["shape"][0])
         elif t["type"] in BY_ID:
             total += int(np.prod(t["data_shape"])) * np.dtype(t["data_dtype"]).itemsize
         else:
