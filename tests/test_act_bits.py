@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.errors import ConfigError
 from tokenmill.model.layers.quantization import act_bits
+from tokenmill.model.loader import gguf_loader, resolve_model
 from tokenmill.model.loader.cache import VerdictFile
 from tokenmill.model.quant_kernels import quant_kernels_available
+
+from .test_kquant_gguf import write_tiny_kquant_gguf
 
 pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ toolchain")
 KV = dict(kv_cache_memory="256MiB", max_model_len=1024, progress=False)
@@ -94,3 +98,24 @@ def test_explicit_bits_are_not_measured(tmp_path, monkeypatch):
     monkeypatch.setattr(act_bits, "VERDICTS", VerdictFile("act_bits.json", cache))
     llm = LLM(quant_act_bits=16, **KV)
     assert _bits(llm) == {16} and not cache.exists()
+
+
+def test_a_bf16_model_is_measured_with_fp32_activations(tmp_path, monkeypatch):
+    """bf16's own rounding hides what 8-bit codes cost (act_bits.py): a GGUF run natively in bf16 takes
+    the verdict measured with fp32 activations, the one an fp32 load of the file uses, and keeps its
+    bf16 tensors."""
+    cache = tmp_path / "act_bits.json"
+    monkeypatch.setattr(act_bits, "VERDICTS", VerdictFile("act_bits.json", cache))
+    path = tmp_path / "tiny-kquant-qwen2.gguf"
+    write_tiny_kquant_gguf(path)
+    kw = dict(model=str(path), tokenizer=str(gguf_loader.tokenizer_dir(resolve_model(None).path)), **KV)
+    llm = LLM(dtype="bfloat16", **kw)
+    (key,) = json.loads(cache.read_text())
+    assert "|torch.float32|" in key
+    model = llm.engine.core.worker.model
+    assert {p.dtype for p in model.parameters() if p.is_floating_point()} == {torch.bfloat16}
+    assert all(getattr(m, "dtype", torch.bfloat16) == torch.bfloat16 for m in model.modules())
+    bits = _bits_by_kind(llm)
+    del llm
+    monkeypatch.setattr(act_bits, "_Trial", None)  # measuring again would fail
+    assert _bits_by_kind(LLM(dtype="float32", **kw)) == bits

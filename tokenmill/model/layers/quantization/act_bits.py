@@ -15,8 +15,13 @@ gate_up_proj, down_proj, and lm_head), on the perplexity of 512 tokens of built-
   another text);
 - else each kind alone at 8 bits, then, from the least harmful, each kind added to those kept while
   the change of the whole set stays within `MAX_CHANGE`; the rest keep 16.
-The verdict is kept in the cache folder, keyed by the weight files' size and time, the dtype and the
-codes (`CODES`), so a model pays the measurement (2 passes over the text where every kind takes 8
+A bf16 model is measured with fp32 activations where it can be (every bf16 tensor it holds is a norm's
+or a bias's vector, as with GGUF files run natively): bf16's own rounding moves 512 tokens' perplexity
+by ~0.3-0.8% at any change to a product, which hid what the codes cost. SmolLM2 measured +0.31% with
+8-bit gate/up codes in bf16 against +0.003% in fp32, so it kept 16-bit codes everywhere on AVX512-BF16
+CPUs, and its verification rows and batches did twice the integer work (BENCHMARKS.md).
+The verdict is kept in the cache folder, keyed by the weight files' size and time, the dtype measured in
+and the codes (`CODES`), so a model pays the measurement (2 passes over the text where every kind takes 8
 bits, ~11 for SmolLM2: ~1.3 s a pass on 2 cores) once. With tensor or pipeline parallelism no rank
 can run the whole model alone: 16 bits without measuring. Perplexity is the budget's measure; a model
 with near-uniform predictions (random weights) hardly moves it whatever its logits do, so tests of
@@ -25,10 +30,11 @@ the products themselves pin the bits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -100,6 +106,32 @@ def _nll(model: torch.nn.Module, ids: list[int]) -> float:
     return total / (len(ids) - 1)
 
 
+def fp32_measurable(model: torch.nn.Module) -> bool:
+    """Whether the model can run with fp32 activations for a while at little memory: it holds no bf16
+    tensor of more than one dimension (its products are packed; a dense one's weight would be copied)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return all(t.dtype != torch.bfloat16 or t.dim() <= 1 for t in tensors)
+
+
+@contextlib.contextmanager
+def fp32_activations(model: torch.nn.Module) -> Iterator[None]:
+    """The model's bf16 vectors (norms, biases) in fp32 and its modules' dtype fp32 (the embedding's
+    rows), then back to the same bf16 storage."""
+    saved = [(t, t.data) for t in (*model.parameters(), *model.buffers()) if t.dtype == torch.bfloat16]
+    modules = [m for m in model.modules() if getattr(m, "dtype", None) == torch.bfloat16]
+    for t, data in saved:
+        t.data = data.float()
+    for m in modules:
+        m.dtype = torch.float32
+    try:
+        yield
+    finally:
+        for t, data in saved:
+            t.data = data
+        for m in modules:
+            m.dtype = torch.bfloat16
+
+
 class _Trial:
     """Perplexity changes of 8-bit codes for sets of kinds against 16-bit codes everywhere (the packed
     kernel every time: the dense path's bf16 weights would add their own rounding to the reference)."""
@@ -162,7 +194,8 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
         set_act_bits(model, 16)
         logger.info("activation codes: 16-bit (auto is not measured with tensor or pipeline parallelism)")
         return {k: 16 for k in kinds}
-    key = fingerprint(Path(source.path), dtype)
+    in_fp32 = dtype == torch.bfloat16 and fp32_measurable(model)
+    key = fingerprint(Path(source.path), torch.float32 if in_fp32 else dtype)
     entry = VERDICTS.read().get(key)
     cached = _valid(entry)  # else (hand-edited, older): measured
     if not cached:
@@ -170,9 +203,10 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
 
         t0 = time.perf_counter()
         ids = calibration_ids(source, min(TOKENS, max_positions(model)))
-        trial = _Trial(model, ids)
-        entry = {**choose_kinds(sorted(kinds), trial.change), "tokens": len(ids),
-                 "seconds": round(time.perf_counter() - t0, 2)}
+        with fp32_activations(model) if in_fp32 else contextlib.nullcontext():
+            trial = _Trial(model, ids)
+            verdict = choose_kinds(sorted(kinds), trial.change)
+        entry = {**verdict, "tokens": len(ids), "seconds": round(time.perf_counter() - t0, 2)}
         # gone models, and older verdicts of this model and dtype: dropped
         prefix = key.split("|codes", 1)[0] + "|"
         VERDICTS.put(key, entry, keep=lambda k: Path(k.split("|", 1)[0]).exists() and not k.startswith(prefix))
@@ -183,7 +217,8 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
     what = ("8-bit" if len(eight) == len(bits) else "16-bit" if not eight else
             f"8-bit for {', '.join(eight)}, 16-bit for {', '.join(sorted(set(bits) - set(eight)))}")
     logger.info("activation codes: %s (perplexity against 16-bit codes on %d tokens of built-in text: %+.3f%% "
-                "with these, %+.3f%% with 8 bits everywhere; limit %+.1f%%%s)", what, entry["tokens"],
+                "with these, %+.3f%% with 8 bits everywhere; limit %+.1f%%%s%s)", what, entry["tokens"],
                 100 * entry["change"], 100 * entry.get("every_kind_change", entry["change"]), 100 * MAX_CHANGE,
-                "; cached" if cached else f"; {entry['seconds']}s")
+                "; cached" if cached else f"; {entry['seconds']}s",
+                "; measured with fp32 activations" if in_fp32 else "")
     return bits
