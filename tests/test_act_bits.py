@@ -15,7 +15,7 @@ from tokenmill.model.loader import gguf_loader, resolve_model
 from tokenmill.model.loader.cache import VerdictFile
 from tokenmill.model.quant_kernels import quant_kernels_available
 
-from .test_kquant_gguf import write_tiny_kquant_gguf
+from .tiny_gguf import write_tiny_kquant_gguf
 
 pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ toolchain")
 KV = dict(kv_cache_memory="256MiB", max_model_len=1024, progress=False)

@@ -11,34 +11,16 @@ import gc
 import json
 import shutil
 
-import numpy as np
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.layers.quantization.formats import FORMATS, random_blocks
 from tokenmill.model.loader import gguf_loader, resolve_model
 from tokenmill.model.quant_kernels import quant_kernels_available
 
-from .tiny_gguf import assert_greedy_close, tiny_prompts, write_tiny_gguf
+from .tiny_gguf import assert_greedy_close, tiny_prompts, write_tiny_kquant_gguf
 
 pytestmark = pytest.mark.skipif(not quant_kernels_available(), reason="no C++ toolchain")
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
-
-
-# Qwen2.5-Coder's mix: q, k and v merge into one layer of two types
-KQUANT_TYPES = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
-                "ffn_gate": "Q4_K", "ffn_up": "Q5_0", "ffn_down": "Q6_K", "output": "Q6_K"}
-
-
-def write_tiny_kquant_gguf(path, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-
-    def packed(name, kind, n, k):
-        fmt = KQUANT_TYPES[kind]
-        return random_blocks(fmt, n, k, rng, scale=0.002, extremes=False), FORMATS[fmt].id
-
-    write_tiny_gguf(path, "qwen2", "tiny-kquant-qwen2", packed,
-                    lambda n: (rng.standard_normal(n) * 0.1).astype(np.float32), biases=True, rope_base=1e6)
 
 
 @pytest.fixture(scope="module")

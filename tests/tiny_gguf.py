@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tokenmill.model.layers.quantization.formats import FORMATS, random_blocks
+
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 49152
 
 
@@ -69,3 +71,19 @@ def assert_greedy_close(outs, refs, tol: float = 0.01) -> None:
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
             assert abs(la[t].logprob - lb[t].logprob) < tol, (la[t], lb[t])
+
+
+# Qwen2.5-Coder's mix: q, k and v merge into one layer of two types
+KQUANT_TYPES = {"token_embd": "Q4_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K",
+                "ffn_gate": "Q4_K", "ffn_up": "Q5_0", "ffn_down": "Q6_K", "output": "Q6_K"}
+
+
+def write_tiny_kquant_gguf(path, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+
+    def packed(name, kind, n, k):
+        fmt = KQUANT_TYPES[kind]
+        return random_blocks(fmt, n, k, rng, scale=0.002, extremes=False), FORMATS[fmt].id
+
+    write_tiny_gguf(path, "qwen2", "tiny-kquant-qwen2", packed,
+                    lambda n: (rng.standard_normal(n) * 0.1).astype(np.float32), biases=True, rope_base=1e6)
