@@ -151,8 +151,9 @@ class QuantizationConfig:
     quant_act_bits: int | str = opt("Activation precision of the packed kernels: 16 (int8 plus an int8 rounding "
                                     "residual: products as exact as fp32), 8 (as llama.cpp: half the integer work) "
                                     "or auto (8 for the kinds of layer (qkv, o, gate_up, down, LM head) whose codes "
-                                    "together measure within 0.3% perplexity of 16-bit ones on built-in text, once "
-                                    "per model and cached; 16 for the rest).", "auto",
+                                    "together change the expected perplexity (e^KL - 1) by at most 0.15% against "
+                                    "16-bit ones on built-in text, once per model and cached; 16 for the rest).",
+                                    "auto",
                                     choices=["auto", "8", "16"])
     quant_dense_min_rows: int | str | None = opt("Rows from which a quantized layer dequantizes its weight slab by "
                                                  "slab and runs the dense GEMM instead of the packed kernel (default: "
