@@ -20,10 +20,12 @@ using namespace zmm;
 
 // Rows m0..m0+R-1 of a tile chunk (codes at tc, CB bytes per row; scales at sc) against the decoded
 // weights W: the integer dot products of weights 0-15 (lo) and 16-31 (hi) of each row, then the float
-// epilogue. The R rows' chains are interleaved so that 2R independent vpdpbusd are in flight (one
-// row's chains alone leave the unit waiting on their latency). With residual codes the xr products
-// accumulate onto the xq ones shifted by 8: 256 xq.u + xr.u, exact in int32.
-template <bool kSigned, bool RES, bool kTwo, int R, int CB>
+// epilogue. The rows' chains are interleaved so that independent vpdpbusd are in flight (one row's
+// chains alone leave the unit waiting on their latency). kOne (a format with one scale per 32, at 4+
+// rows): one chain a row, lo summing all 32 (the same int32 as lo + hi); two a row left the 8-row
+// kernel short of registers, 6-10% slower at 16-512 rows (BENCHMARKS.md). With residual codes the xr
+// products accumulate onto the xq ones shifted by 8: 256 xq.u + xr.u, exact in int32.
+template <bool kSigned, bool RES, bool kTwo, bool kOne, int R, int CB>
 __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const uint8_t* tc, const float* sc, __m512 da, __m512 db, __m512 oa,
                                                       __m512 ob, __m512* acc, __m512* aco) {
   __m512i lo[R], hi[R];
@@ -33,7 +35,8 @@ __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const 
       static_for<R>([&](auto r) TM_INLINE {
         const int8_t* x = reinterpret_cast<const int8_t*>(tc + r * CB + at);
         lo[r] = dp<kSigned>(lo[r], W[j], bcast4(x + 4 * j));
-        hi[r] = dp<kSigned>(hi[r], W[j + 4], bcast4(x + 16 + 4 * j));
+        if constexpr (kOne) lo[r] = dp<kSigned>(lo[r], W[j + 4], bcast4(x + 16 + 4 * j));
+        else hi[r] = dp<kSigned>(hi[r], W[j + 4], bcast4(x + 16 + 4 * j));
       });
     });
   };
@@ -41,7 +44,7 @@ __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const 
   if constexpr (RES) {
     static_for<R>([&](auto r) TM_INLINE {
       lo[r] = _mm512_slli_epi32(lo[r], 8);
-      hi[r] = _mm512_slli_epi32(hi[r], 8);
+      if constexpr (!kOne) hi[r] = _mm512_slli_epi32(hi[r], 8);
     });
     pass(std::integral_constant<int, 32>{});
   }
@@ -53,7 +56,8 @@ __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const 
       aco[r] = _mm512_fmadd_ps(oa, _mm512_set1_ps(sc[4 * r + 2]), aco[r]);
       aco[r] = _mm512_fmadd_ps(ob, _mm512_set1_ps(sc[4 * r + 3]), aco[r]);
     } else {
-      acc[r] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo[r], hi[r])), dx), acc[r]);
+      const __m512i sum = kOne ? lo[r] : _mm512_add_epi32(lo[r], hi[r]);
+      acc[r] = _mm512_fmadd_ps(da, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), dx), acc[r]);
       aco[r] = _mm512_fmadd_ps(oa, _mm512_set1_ps(sc[4 * r + 1]), aco[r]);
     }
   });
@@ -66,6 +70,7 @@ __attribute__((noinline)) void pair_dot_t(const uint8_t* g0, const uint8_t* g1, 
                                           const Ahead& pf, float out[][16]) {
   constexpr bool kSigned = kSignedQ<QT>;
   constexpr bool kTwo = QT == Q6_K;
+  constexpr bool kOne = !kTwo && MR >= 4;  // one chain a row where 4+ rows keep the unit busy
   constexpr X8Geom g = x8_geom(QT);
   constexpr int cpb = g.qk / 32;
   constexpr int CB = tile_code_bytes(RES);
@@ -94,9 +99,9 @@ __attribute__((noinline)) void pair_dot_t(const uint8_t* g0, const uint8_t* g1, 
       }
       const float* sc = reinterpret_cast<const float*>(tc + MR * CB);  // per row: dx (/ 256), s, sa, sb
       constexpr int R0 = MR < 4 ? MR : 4;  // rows 0..R0-1, then the rest
-      rows_chunk<kSigned, RES, kTwo, R0, CB>(W, tc, sc, da, db, oa, ob, acc, aco);
+      rows_chunk<kSigned, RES, kTwo, kOne, R0, CB>(W, tc, sc, da, db, oa, ob, acc, aco);
       if constexpr (MR > R0) {
-        rows_chunk<kSigned, RES, kTwo, MR - R0, CB>(W, tc + R0 * CB, sc + 4 * R0, da, db, oa, ob, acc + R0, aco + R0);
+        rows_chunk<kSigned, RES, kTwo, kOne, MR - R0, CB>(W, tc + R0 * CB, sc + 4 * R0, da, db, oa, ob, acc + R0, aco + R0);
       }
     }
   }
