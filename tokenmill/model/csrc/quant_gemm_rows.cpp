@@ -23,7 +23,7 @@ using namespace zmm;
 // epilogue. The rows' chains are interleaved so that independent vpdpbusd are in flight (one row's
 // chains alone leave the unit waiting on their latency). kOne (a format with one scale per 32, at 4+
 // rows): one chain a row, lo summing all 32 (the same int32 as lo + hi); two a row left the 8-row
-// kernel short of registers, 6-10% slower at 16-512 rows (BENCHMARKS.md). With residual codes the xr
+// kernel short of registers, 6-15% slower at 16-512 rows (BENCHMARKS.md). With residual codes the xr
 // products accumulate onto the xq ones shifted by 8: 256 xq.u + xr.u, exact in int32.
 template <bool kSigned, bool RES, bool kTwo, bool kOne, int R, int CB>
 __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const uint8_t* tc, const float* sc, __m512 da, __m512 db, __m512 oa,
