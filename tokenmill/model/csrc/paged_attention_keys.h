@@ -98,7 +98,10 @@ inline float softmax_chunk(float* s, int64_t n, float& m_out) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < nv; ++i) {
     k[i] = n - 16 * i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16 * i)) - 1);
-    v[i] = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k[i], s + 16 * i);
+    // a plain load where the vector is whole: the scores were just stored, and on an AMD Zen 4 a
+    // masked load waited on those stores (perf's samples piled up behind it)
+    v[i] = k[i] == 0xFFFF ? _mm512_loadu_ps(s + 16 * i)
+                          : _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k[i], s + 16 * i);
     mx = _mm512_max_ps(mx, v[i]);
   }
   const float m = _mm512_reduce_max_ps(mx);

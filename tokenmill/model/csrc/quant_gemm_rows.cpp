@@ -77,8 +77,11 @@ __attribute__((noinline)) void pair_dot_t(const uint8_t* g0, const uint8_t* g1, 
   constexpr int64_t CS = MR * (CB + 16);  // tile bytes per chunk
   const int64_t C = K / 32, nb = K / g.qk, blk = g.block_head + cpb * g.body;
   Prefetcher ahead(g0, g1, pf, C);
+  // Every index into acc and aco a compile-time one (static_for, not loops): with a runtime loop GCC
+  // kept both arrays in memory around the chunk loop, zeroed by `rep stos` and stored back at the end,
+  // ~8% of a call at SmolLM2's K = 576 (BENCHMARKS.md, twenty-fourth session).
   __m512 acc[MR], aco[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = aco[m] = _mm512_setzero_ps();
+  static_for<MR>([&](auto m) TM_INLINE { acc[m] = aco[m] = _mm512_setzero_ps(); });
   const uint8_t* tc = tile;
   int64_t c = 0;
   for (int64_t b = 0; b < nb; ++b) {
@@ -105,7 +108,7 @@ __attribute__((noinline)) void pair_dot_t(const uint8_t* g0, const uint8_t* g1, 
       }
     }
   }
-  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], aco[m]));
+  static_for<MR>([&](auto m) TM_INLINE { _mm512_storeu_ps(out[m], _mm512_add_ps(acc[m], aco[m])); });
 }
 
 }  // namespace

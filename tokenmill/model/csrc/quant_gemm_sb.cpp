@@ -84,15 +84,15 @@ __attribute__((noinline)) void sb_dot_t(const uint8_t* g0, const uint8_t* g1, in
   constexpr X8Geom g = x8_geom(QT);
   const int64_t nb = K / 256, blk = g.block_head + 8 * g.body;
   Prefetcher ahead(g0, g1, pf, K / 32);
-  __m512 acc[MR];
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 acc[MR];  // compile-time indices only, as in pair_dot_t (quant_gemm_rows.cpp)
+  static_for<MR>([&](auto m) TM_INLINE { acc[m] = _mm512_setzero_ps(); });
   const uint8_t* tb = tile;
   for (int64_t b = 0; b < nb; ++b, tb += MR * kSbRowBytes) {
     const uint8_t* h0 = g0 + g.group_head + b * blk;
     const uint8_t* h1 = g1 + g.group_head + b * blk;
     const int32_t* rec = reinterpret_cast<const int32_t*>(tb + MR * 256);
     __m512i isum[MR];
-    for (int m = 0; m < MR; ++m) isum[m] = _mm512_setzero_si512();
+    static_for<MR>([&](auto m) TM_INLINE { isum[m] = _mm512_setzero_si512(); });
 #pragma GCC unroll 1
     for (int k = 0; k < 8; ++k) {
       ahead.before(b * 8 + k);
@@ -112,11 +112,11 @@ __attribute__((noinline)) void sb_dot_t(const uint8_t* g0, const uint8_t* g1, in
     }
     const __m512 d = ld_ph16(h0, h1);
     if constexpr (QT == Q6_K) {
-      for (int m = 0; m < MR; ++m) {
+      static_for<MR>([&](auto m) TM_INLINE {
         float unit;
         std::memcpy(&unit, rec + kRecInts * m, 4);
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, _mm512_set1_ps(unit)), acc[m]);
-      }
+      });
     } else {
       const __m512 dmin = ld_ph16(h0 + 16, h1 + 16);
       __m512i mins[4];  // lane: the minimums of chunks 2p and 2p + 1 as two int16
@@ -126,7 +126,7 @@ __attribute__((noinline)) void sb_dot_t(const uint8_t* g0, const uint8_t* g1, in
         mins[2 * h] = _mm512_permutex2var_epi16(a, _mm512_load_si512(kMinPairs.idx[0]), b);
         mins[2 * h + 1] = _mm512_permutex2var_epi16(a, _mm512_load_si512(kMinPairs.idx[1]), b);
       }
-      for (int m = 0; m < MR; ++m) {
+      static_for<MR>([&](auto m) TM_INLINE {
         const int32_t* r = rec + kRecInts * m;
         float unit;
         std::memcpy(&unit, r, 4);
@@ -135,10 +135,10 @@ __attribute__((noinline)) void sb_dot_t(const uint8_t* g0, const uint8_t* g1, in
         for (int p = 0; p < 4; ++p) im = dpwssd(im, mins[p], _mm512_set1_epi32(r[4 + p]));
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, vu), acc[m]);
         acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dmin, vu), acc[m]);
-      }
+      });
     }
   }
-  for (int m = 0; m < MR; ++m) _mm512_storeu_ps(out[m], acc[m]);
+  static_for<MR>([&](auto m) TM_INLINE { _mm512_storeu_ps(out[m], acc[m]); });
 }
 
 }  // namespace

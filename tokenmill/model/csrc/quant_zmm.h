@@ -110,7 +110,7 @@ struct Prefetcher {
   int64_t C, dist, step, pos;
   Prefetcher(const uint8_t* g0_, const uint8_t* g1_, const Ahead& pf_, int64_t C_)
       : g0(g0_), g1(g1_), pf(pf_), C(C_), dist(pf_.gb ? std::min(g_prefetch_ahead, pf_.gb) : 0),
-        step(pf_.gb / C_), pos(dist) {}
+        step(pf_.gb ? pf_.gb / C_ : 0), pos(dist) {}  // no idiv per call where nothing is prefetched
   inline void before(int64_t c) {
     if (!dist) return;
     if (g_prefetch_level == 2) run<_MM_HINT_T1>(c);
