@@ -42,7 +42,7 @@ inline void load_floats(const T* src, float* dst, int64_t n) {
 }
 
 // Softmax numerators of n scores in place (vectorized exp); returns their sum, their max in m (the
-// portable kernel's; the AVX-512 one has softmax_chunk). The max in a local, 16 lanes at a time:
+// portable kernel's; the AVX-512 one has softmax_weights). The max in a local, 16 lanes at a time:
 // through the reference (which may alias s) it was a store and a dependent scalar max per score.
 // A max does not depend on the order (a tie of +0 and -0 gives the same differences below).
 inline float softmax_partial(float* s, int64_t n, float& m_out) {

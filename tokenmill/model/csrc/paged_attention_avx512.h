@@ -127,19 +127,16 @@ void row_chunk(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table
     sp[g] = scores + g * kKeyChunk;
   }
   chunk_scores<NV>(qp, G, kt, n, sv, sp);
-  for (int g = 0; g < G; ++g) {
-    float* p = part.at(b, h * G + g, t0 / kKeyChunk);
-    p[1] = softmax_chunk(sp[g], n, p[0]);
-  }
   alignas(64) __m512i vt[kKeyChunk / 2 * NV];
   alignas(64) int32_t w[G][kKeyChunk / 2];
   const int32_t* wp[G];
   float* op[G];
   stage_values<NV, C>(kv, table, L, t0, n, BS, row, h, vt, sv);
   for (int g = 0; g < G; ++g) {
-    weight_pairs<C>(sp[g], sv, n, w[g]);
+    float* p = part.at(b, h * G + g, t0 / kKeyChunk);
+    p[1] = softmax_weights<C>(sp[g], n, sv, p[0], w[g]);
     wp[g] = w[g];
-    op[g] = part.at(b, h * G + g, t0 / kKeyChunk) + 2;
+    op[g] = p + 2;
   }
   pair_sums_of<NV>(vt, wp, G, (n + 1) / 2, op);
 }
@@ -190,8 +187,7 @@ void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* 
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = (r - r0) * G + g;
       float* p = part.at(b0 + r, h * G + g, t0 / kKeyChunk);
-      p[1] = softmax_chunk(sp[i], nr, p[0]);
-      weight_pairs<C>(sp[i], sv, nr, &wbuf[i * kKeyChunk / 2]);
+      p[1] = softmax_weights<C>(sp[i], nr, sv, p[0], &wbuf[i * kKeyChunk / 2]);
       wp[i] = &wbuf[i * kKeyChunk / 2];
       op[i] = p + 2;
     }

@@ -88,33 +88,6 @@ void stage_keys(const PagedKV<C>& kv, const int64_t* table, int64_t L, int64_t t
     }
 }
 
-// softmax_partial for one chunk's scores (n <= kKeyChunk; s holds 16 * ceil(n / 16) floats): the
-// scores in registers, the tail masked rather than a scalar exp per key. s[t] <- e^(s[t] - max),
-// the lanes past n <- 0; returns their sum, the max in m_out.
-inline float softmax_chunk(float* s, int64_t n, float& m_out) {
-  const int64_t nv = (n + 15) / 16;
-  __m512 v[kKeyChunk / 16];
-  __mmask16 k[kKeyChunk / 16];
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < nv; ++i) {
-    k[i] = n - 16 * i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16 * i)) - 1);
-    // a plain load where the vector is whole: the scores were just stored, and on an AMD Zen 4 a
-    // masked load waited on those stores (perf's samples piled up behind it)
-    v[i] = k[i] == 0xFFFF ? _mm512_loadu_ps(s + 16 * i)
-                          : _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k[i], s + 16 * i);
-    mx = _mm512_max_ps(mx, v[i]);
-  }
-  const float m = _mm512_reduce_max_ps(mx);
-  m_out = m;
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < nv; ++i) {
-    const __m512 e = _mm512_maskz_mov_ps(k[i], at::vec::Vectorized<float>(_mm512_sub_ps(v[i], _mm512_set1_ps(m))).exp_u20());
-    _mm512_storeu_ps(s + 16 * i, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
 // A query's pairs as dwords (read once per chunk; broadcast from memory in the score chain)
 template <int NV>
 inline void query_pairs(const at::BFloat16* q, int32_t* out) {

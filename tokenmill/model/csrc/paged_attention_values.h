@@ -47,16 +47,36 @@ inline __m256i bf16x16_rne(__m512 x) {
 #endif
 }
 
-// The weights of a row's n keys as bf16 pairs w[u] (tokens 2u, 2u + 1; zero past n): p[t] times
-// the token's scale in a quantized cache.
+// softmax_partial for one chunk's scores s (n <= kKeyChunk; s holds 16 * ceil(n / 16) floats), in
+// registers, the tail masked rather than a scalar exp per key: returns sum_t e^(s[t] - max), the
+// max in m_out, and writes the weights as bf16 pairs w[u] (tokens 2u, 2u + 1; zero past n):
+// e^(s[t] - max) times the token's scale in a quantized cache (vs), rounded from the same
+// registers (stored as floats and read back, the scores waited on their stores).
 template <typename C>
-inline void weight_pairs(const float* p, const float* vs, int64_t n, int32_t* w) {
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 k = n - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
-    __m512 x = k == 0xFFFF ? _mm512_loadu_ps(p + i) : _mm512_maskz_loadu_ps(k, p + i);  // see softmax_chunk
-    if constexpr (!std::is_same_v<C, at::BFloat16>) x = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(k, vs + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i / 2), bf16x16_rne(x));
+inline float softmax_weights(const float* s, int64_t n, const float* vs, float& m_out, int32_t* w) {
+  const int64_t nv = (n + 15) / 16;
+  __m512 v[kKeyChunk / 16];
+  __mmask16 k[kKeyChunk / 16];
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < nv; ++i) {
+    k[i] = n - 16 * i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16 * i)) - 1);
+    // a plain load where the vector is whole: the scores were just stored, and on an AMD Zen 4 a
+    // masked load waited on those stores (perf's samples piled up behind it)
+    v[i] = k[i] == 0xFFFF ? _mm512_loadu_ps(s + 16 * i)
+                          : _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k[i], s + 16 * i);
+    mx = _mm512_max_ps(mx, v[i]);
   }
+  const float m = _mm512_reduce_max_ps(mx);
+  m_out = m;
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < nv; ++i) {
+    const __m512 e = _mm512_maskz_mov_ps(k[i], at::vec::Vectorized<float>(_mm512_sub_ps(v[i], _mm512_set1_ps(m))).exp_u20());
+    sum = _mm512_add_ps(sum, e);
+    __m512 x = e;
+    if constexpr (!std::is_same_v<C, at::BFloat16>) x = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(k[i], vs + 16 * i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 8 * i), bf16x16_rne(x));
+  }
+  return _mm512_reduce_add_ps(sum);
 }
 
 // sum over pairs u < npairs of w_i[u] . vt[u] for NH weight rows (out_i, D floats in dim order),
