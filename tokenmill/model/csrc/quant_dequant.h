@@ -55,6 +55,23 @@ inline void store8(T* o, __m256 v) {
   else _mm_storeu_si128(reinterpret_cast<__m128i*>(o), bf16x8(v));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// store8 for 16 lanes, those of k only, bf16 rounded as bf16x8 rounds
+template <typename T>
+inline void store16(T* o, __m512 v, __mmask16 k) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_mask_storeu_ps(o, k, v);
+  } else {
+    static_assert(std::is_same_v<T, at::BFloat16>);
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16(o, k, _mm512_cvtepi32_epi16(r));
+  }
+}
+#endif
+
 // u[j] (lanes: rows 0-7, bytes: weights 4j..4j+3) -> u[r] (bytes: weights 0..31 of row r)
 inline void transpose8x8(__m256i u[8]) {
   __m256i t[8], s[8];

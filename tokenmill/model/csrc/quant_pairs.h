@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "quant_act.h"
+#include "quant_dequant.h"
 
 namespace TM_QUANT_NS {
 
@@ -26,23 +27,13 @@ struct Shard {
 // outgrew L2 (Q6_K down at K = 8960: 19 KiB per row; BENCHMARKS.md, "Many rows").
 constexpr int64_t kActBlockBytes = 1 << 20;
 
-// dst[0, nr) = res[0, nr) + bias[0, nr) (bias may be null: + 0, as the scalar form added), rounded
-// as static_cast<TO> does (float, or bf16 to nearest even with c10's NaN), in one vector rather than
-// element by element (a SmolLM2 16-row verification's forward -1%, BENCHMARKS.md).
+// dst[0, nr) = res[0, nr) + bias[0, nr) (bias may be null: + 0, as the scalar form added), stored
+// as static_cast<TO> rounds (store16), in one vector rather than element by element (a SmolLM2
+// 16-row verification's forward -1%, BENCHMARKS.md).
 template <typename TO>
 inline void store_item_row(TO* dst, const float* res, const float* bias, int nr) {
   const __mmask16 k = nr >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nr) - 1);
-  const __m512 v = _mm512_add_ps(_mm512_loadu_ps(res), bias ? _mm512_maskz_loadu_ps(k, bias) : _mm512_setzero_ps());
-  if constexpr (std::is_same_v<TO, float>) {
-    _mm512_mask_storeu_ps(dst, k, v);
-  } else {
-    static_assert(std::is_same_v<TO, at::BFloat16>);
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm256_mask_storeu_epi16(dst, k, _mm512_cvtepi32_epi16(r));
-  }
+  store16(dst, _mm512_add_ps(_mm512_loadu_ps(res), bias ? _mm512_maskz_loadu_ps(k, bias) : _mm512_setzero_ps()), k);
 }
 
 // 16 output rows (two x8 groups) per work item, kPairRows activation rows per decoded chunk; each
