@@ -36,8 +36,8 @@ def test_crossover_follows_cpu_kind_codes_and_format(monkeypatch):
     assert packed.default_dense_min_rows("auto", Q6_K) == 128  # as 16 until measured
     assert packed.default_dense_min_rows(8, Q4_K) == 0  # the packed kernel at every row count
     assert packed.default_dense_min_rows(8, Q6_K) == 512
-    _cpu(monkeypatch, "AuthenticAMD", "avx512_bf16", "25")  # a Zen 4: its own table first
-    assert packed.default_dense_min_rows(8, Q6_K) == 2048
+    _cpu(monkeypatch, "AuthenticAMD", "avx512_bf16", "25")  # a Zen 4: its own (empty) table first
+    assert packed.default_dense_min_rows(8, Q6_K) == 0
     assert packed.default_dense_min_rows(8, FORMATS["Q5_0"].id) == 0
     _cpu(monkeypatch, "GenuineIntel", "avx512_bf16")
     assert packed.default_dense_min_rows(16, Q6_K) == packed.default_dense_min_rows(8, Q6_K) == 0

@@ -5,7 +5,10 @@
 // per super-block: the per-chunk float epilogue of pair_dot (int-to-float, scale, two FMAs per row)
 // ran on the same multiply ports as vpdpbusd and held the kernel near half their peak.
 // Q4_K/Q5_K's minimums (dmin * m per chunk) meet the activations' shifted per-chunk sums in
-// vpdpwssd, once per super-block; Q6_K's -32 offset is subtracted in int32 before the scale.
+// vpdpwssd, once per super-block; Q6_K's -32 offset starts each chunk's chains (-32 x the codes'
+// sums, broadcast from the tile: a load, where a subtraction took a vector-ALU slot per half and row).
+// At 6+ rows Q4_K/Q5_K take a chunk's scale times 2^up from a 4-entry table built once per chunk
+// instead of shifting each row's product (the ALU pipes, not the dot products', bound those rows).
 // A lane is an output row, a row's result does not depend on the rows beside it.
 #include <cmath>
 #include <cstring>
@@ -22,7 +25,7 @@ using namespace zmm;
 // Tile (pack_tile_sb), per super-block: the 8 chunks' codes (chunk k, row m at (k * MR + m) * 32),
 // then per row a record of 32 int32: [0] the unit (float bits), [4 + p] the activation sums of
 // chunks 2p and 2p + 1, each shifted by its up, as two int16 (<= 4064 << 3), [8 + k] chunk k's up,
-// [16 + h] 32 x the sum of half h (16 values).
+// [16 + h] -32 x the sum of half h (16 values).
 constexpr int kRecInts = 32;
 constexpr int64_t kSbRowBytes = 256 + 4 * kRecInts;
 
@@ -36,12 +39,20 @@ inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
   else return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
 }
 
-// R rows of chunk k: isum[r] += sub-block scale x (the chunk's 32 weights . the row's 32 codes)
-template <int QT, int R>
+// R rows of chunk k: isum[r] += sub-block scale x (the chunk's 32 weights . the row's 32 codes).
+// tab (kTab): the chunk's scale shifted by 0..3, 16 int32 each.
+template <int QT, int R, bool kTab>
 __attribute__((always_inline)) inline void rows_sb(const __m512i W[8], const uint8_t* tc, const int32_t* rec, int k,
-                                                   __m512i sa, __m512i sb, __m512i* isum) {
+                                                   __m512i sa, __m512i sb, const int32_t* tab, __m512i* isum) {
   __m512i lo[R], hi[R];
-  static_for<R>([&](auto r) TM_INLINE { lo[r] = hi[r] = _mm512_setzero_si512(); });
+  static_for<R>([&](auto r) TM_INLINE {
+    if constexpr (QT == Q6_K) {
+      lo[r] = _mm512_set1_epi32(rec[kRecInts * r + 16 + 2 * k]);
+      hi[r] = _mm512_set1_epi32(rec[kRecInts * r + 17 + 2 * k]);
+    } else {
+      lo[r] = hi[r] = _mm512_setzero_si512();
+    }
+  });
   static_for<4>([&](auto j) TM_INLINE {
     static_for<R>([&](auto r) TM_INLINE {
       const int8_t* x = reinterpret_cast<const int8_t*>(tc + r * 32);
@@ -53,13 +64,14 @@ __attribute__((always_inline)) inline void rows_sb(const __m512i W[8], const uin
     const int32_t* rr = rec + kRecInts * r;
     __m512i v;
     if constexpr (QT == Q6_K) {
-      const __m512i a = _mm512_sub_epi32(lo[r], _mm512_set1_epi32(rr[16 + 2 * k]));
-      const __m512i b = _mm512_sub_epi32(hi[r], _mm512_set1_epi32(rr[17 + 2 * k]));
-      v = _mm512_add_epi32(_mm512_mullo_epi32(a, sa), _mm512_mullo_epi32(b, sb));
+      v = _mm512_add_epi32(_mm512_mullo_epi32(lo[r], sa), _mm512_mullo_epi32(hi[r], sb));
+    } else if constexpr (kTab) {  // the scale carries the 2^up
+      v = _mm512_mullo_epi32(_mm512_add_epi32(lo[r], hi[r]), _mm512_load_si512(tab + 16 * rr[8 + k]));
     } else {
       v = _mm512_mullo_epi32(_mm512_add_epi32(lo[r], hi[r]), sa);
     }
-    isum[r] = _mm512_add_epi32(isum[r], _mm512_sllv_epi32(v, _mm512_set1_epi32(rr[8 + k])));
+    if constexpr (!kTab) v = _mm512_sllv_epi32(v, _mm512_set1_epi32(rr[8 + k]));
+    isum[r] = _mm512_add_epi32(isum[r], v);
   });
 }
 
@@ -86,6 +98,8 @@ __attribute__((noinline)) void sb_dot_t(const uint8_t* g0, const uint8_t* g1, in
   Prefetcher ahead(g0, g1, pf, K / 32);
   __m512 acc[MR];  // compile-time indices only, as in pair_dot_t (quant_gemm_rows.cpp)
   static_for<MR>([&](auto m) TM_INLINE { acc[m] = _mm512_setzero_ps(); });
+  constexpr bool kTab = QT != Q6_K && MR >= 6;  // measured: even at 4 rows, slower at 1-2
+  alignas(64) int32_t tab[kTab ? 64 : 16];
   const uint8_t* tb = tile;
   for (int64_t b = 0; b < nb; ++b, tb += MR * kSbRowBytes) {
     const uint8_t* h0 = g0 + g.group_head + b * blk;
@@ -104,11 +118,16 @@ __attribute__((noinline)) void sb_dot_t(const uint8_t* g0, const uint8_t* g1, in
         sb = ld_bytes16(h0 + 24 + 16 * k, h1 + 24 + 16 * k, true);
       } else {
         sa = sb = ld_bytes16(h0 + 32 + 8 * k, h1 + 32 + 8 * k, false);
+        if constexpr (kTab) {
+          static_for<4>([&](auto u) TM_INLINE { _mm512_store_si512(tab + 16 * u, _mm512_slli_epi32(sa, decltype(u)::value)); });
+        }
       }
       const uint8_t* tc = tb + k * MR * 32;
       constexpr int R0 = MR < 4 ? MR : 4;  // rows 0..R0-1, then the rest
-      rows_sb<QT, R0>(W, tc, rec, k, sa, sb, isum);
-      if constexpr (MR > R0) rows_sb<QT, MR - R0>(W, tc + R0 * 32, rec + kRecInts * R0, k, sa, sb, isum + R0);
+      rows_sb<QT, R0, kTab>(W, tc, rec, k, sa, sb, tab, isum);
+      if constexpr (MR > R0) {
+        rows_sb<QT, MR - R0, kTab>(W, tc + R0 * 32, rec + kRecInts * R0, k, sa, sb, tab, isum + R0);
+      }
     }
     const __m512 d = ld_ph16(h0, h1);
     if constexpr (QT == Q6_K) {
@@ -161,7 +180,7 @@ void pack_tile_sb(const ActRow* a, int mr, int64_t K, uint8_t* dst) {
         r[4 + p] = static_cast<int32_t>(lo | static_cast<uint32_t>(hi) << 16);
       }
       for (int k = 0; k < 8; ++k) r[8 + k] = up[k];
-      for (int h = 0; h < 16; ++h) r[16 + h] = 32 * bs[h];
+      for (int h = 0; h < 16; ++h) r[16 + h] = -32 * bs[h];
     }
   }
 }

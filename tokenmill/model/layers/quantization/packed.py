@@ -52,14 +52,15 @@ DENSE_MIN_ROWS_BY_VENDOR: dict[tuple[str, str], int | None] = {("AuthenticAMD", 
 # are packed-faster at 512 rows (1.06-1.07x) and tie at 1024.
 # An AMD EPYC Zen 4 (family 25; 2026-11-27), whose 512-bit operations take two cycles: packed is
 # 1.05-1.6x dequant+GEMM for Q4_K, Q4_1 and Q5_0 at 512-2048 rows, and for Q6_K at 512 (1.13x) and 1024
-# (1.02x); at 2048 Q6_K went either way (1.02x, 0.77x). An AMD EPYC with AVX2 only (a Zen 4 VM without
+# (1.02x); at 2048 Q6_K went either way (1.02x, 0.77x) until its chains started at the -32 offset
+# (2026-12-05): 1.19-1.28x at 2048 in three runs, both Qwen shapes. An AMD EPYC with AVX2 only (a Zen 4 VM without
 # AVX-512; 2026-11-28, fp32): packed is 1.1-2.0x dequant+GEMM at 128-2048 rows for Q4_1, Q4_K, Q5_0
 # and Q6_K, but for the 0.5B's Q6_K down at 2048 (0.90x). A Zen 3 EPYC (family 25 model 1, AVX2 only;
 # 2026-11-29, fp32): packed is 1.05-1.38x dequant+GEMM for both Q6_K downs at 2048 rows (1.05-1.6x at
 # 128-1024), 1.3-2.3x for Q4_K and Q5_0. Keys with a model number come first, then with a family.
 DENSE_MIN_ROWS_8BIT_BY_VENDOR: dict[tuple[str, ...], dict[str, int]] = {
     ("AuthenticAMD", "avx2", "25", "1"): {},
-    ("AuthenticAMD", "avx512_bf16", "25"): {"Q6_K": 2048},
+    ("AuthenticAMD", "avx512_bf16", "25"): {},
     ("AuthenticAMD", "avx512_bf16"): {"Q5_0": 1024, "Q5_1": 1024, "Q6_K": 512},
     ("AuthenticAMD", "avx2"): {"Q6_K": 2048}}
 
