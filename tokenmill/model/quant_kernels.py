@@ -31,7 +31,7 @@ LIBRARIES = {"quant": ([_CSRC / "quant_gemm.cpp", _CSRC / "quant_gemm_rows.cpp",
 SOURCES = [src for sources, _ in LIBRARIES.values() for src in sources]
 HEADERS = (_CSRC / "quant_blocks.h", _CSRC / "quant_x8.h", _CSRC / "quant_act.h", _CSRC / "quant_act_chunk.h",
            _CSRC / "quant_dequant.h", _CSRC / "quant_ymm.h", _CSRC / "quant_zmm.h",
-           _CSRC / "quant_pairs.h", _CSRC / "quant_prefetch.h")
+           _CSRC / "quant_pairs.h", _CSRC / "quant_prefetch.h", _CSRC / "bf16_zmm.h")
 # variant -> compiler flags; the ISA level each variant needs
 VARIANT_FLAGS = {
     "scalar": [],

@@ -215,10 +215,8 @@ void combine_partials(at::BFloat16* o, Partials& part, int64_t b, int64_t hq, in
     l += w * p[1];
     for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(p + 2 + 16 * j), acc[j]);
   }
-  for (int j = 0; j < NV; ++j) {  // rounded as static_cast<at::BFloat16> rounds, c10's NaN included
-    const __m512 v = _mm512_mul_ps(acc[j], _mm512_set1_ps(1.f / l));
-    const __m256i h = _mm256_mask_mov_epi16(bf16x16_rne(v), _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                            _mm256_set1_epi16(0x7FC0));
+  for (int j = 0; j < NV; ++j) {
+    const __m256i h = bf16x16_c10(_mm512_mul_ps(acc[j], _mm512_set1_ps(1.f / l)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j), h);
   }
 }

@@ -13,6 +13,8 @@
 
 #include <immintrin.h>
 
+#include "bf16_zmm.h"
+
 namespace tm_paged {
 
 // Values [t0, t0 + n) of kv head h (n <= kKeyChunk) staged: vt[u * NV + j], zero past n; vs[t - t0]
@@ -36,14 +38,12 @@ void stage_values(const PagedKV<C>& kv, const int64_t* table, int64_t L, int64_t
   }
 }
 
-// 16 floats to bf16, rounded to nearest even
+// 16 floats to bf16, rounded to nearest even (the weights fed to vdpbf16ps)
 inline __m256i bf16x16_rne(__m512 x) {
 #ifdef __AVX512BF16__
   return (__m256i)_mm512_cvtneps_pbh(x);
 #else
-  const __m512i u = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16));
+  return _mm512_cvtepi32_epi16(bf16_rne_lanes(x));
 #endif
 }
 

@@ -9,6 +9,9 @@
 #include <type_traits>
 
 #include "quant_ymm.h"
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include "bf16_zmm.h"
+#endif
 
 namespace TM_QUANT_NS {
 
@@ -63,11 +66,7 @@ inline void store16(T* o, __m512 v, __mmask16 k) {
     _mm512_mask_storeu_ps(o, k, v);
   } else {
     static_assert(std::is_same_v<T, at::BFloat16>);
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-    _mm256_mask_storeu_epi16(o, k, _mm512_cvtepi32_epi16(r));
+    _mm256_mask_storeu_epi16(o, k, bf16x16_c10(v));
   }
 }
 #endif
