@@ -89,20 +89,31 @@ class Recorder:
         RejectionSampler.__call__ = recorded
 
 
-def replay(rec: Recorder, rule) -> dict:
-    n_passes = np.array([n for n, _ in rec.calls], dtype=float)
-    fixed, per_pass = np.polyfit(n_passes, [s for _, s in rec.calls], 1)[::-1] if len(set(n_passes)) > 1 \
-        else (0.0, float(np.mean([s for _, s in rec.calls])) / max(n_passes.mean(), 1))
-    rows = sorted(rec.verify)
-    cost = dict(zip(rows, (float(np.median(rec.verify[r])) for r in rows)))
+class Costs:
+    """The run's costs: a proposal's (fixed + passes x per_pass seconds) and a verification's by rows."""
+
+    def __init__(self, rec: Recorder):
+        passes = np.array([n for n, _ in rec.calls], dtype=float)
+        seconds = np.array([s for _, s in rec.calls])
+        if len(set(passes)) > 1:
+            self.per_pass, self.fixed = np.polyfit(passes, seconds, 1)
+        else:
+            self.per_pass, self.fixed = seconds.mean() / max(passes.mean(), 1), 0.0
+        self.rows = sorted(rec.verify)
+        self.verify = [float(np.median(rec.verify[r])) for r in self.rows]
+
+    def step(self, drafts: int) -> float:
+        return self.fixed + drafts * self.per_pass + float(np.interp(drafts + 1, self.rows, self.verify))
+
+
+def replay(rec: Recorder, costs: Costs, rule) -> dict:
     tokens = seconds = drafted = 0.0
     for conf, _, accepted in rec.steps:
         kept = rule(conf)
         tokens += min(accepted, kept) + 1
         drafted += kept
-        seconds += fixed + kept * per_pass + float(np.interp(kept + 1, rows, [cost[r] for r in rows]))
-    return {"drafted": drafted / len(rec.steps), "tokens": tokens / len(rec.steps), "ms": seconds / tokens * 1e3,
-            "pass_ms": per_pass * 1e3, "fixed_ms": fixed * 1e3}
+        seconds += costs.step(kept)
+    return {"drafted": drafted / len(rec.steps), "tokens": tokens / len(rec.steps), "ms": seconds / tokens * 1e3}
 
 
 def pmin(k: int, tau: float):
@@ -149,14 +160,15 @@ def main() -> None:
         f"[{lo}, {hi}) {hit[(conf >= lo) & (conf < hi)].mean():.2f} of {((conf >= lo) & (conf < hi)).sum()}"
         for lo, hi in zip(edges, edges[1:]) if ((conf >= lo) & (conf < hi)).any()))
     print(f"mean accepted a step with {args.k} drafts: {accepted.mean():.2f}")
-    base = replay(rec, pmin(5, 0.85))
-    print(f"pass {base['pass_ms']:.2f} ms + {base['fixed_ms']:.2f} ms a proposal; verification ms by rows: "
+    costs = Costs(rec)
+    base = replay(rec, costs, pmin(5, 0.85))
+    print(f"pass {costs.per_pass * 1e3:.2f} ms + {costs.fixed * 1e3:.2f} ms a proposal; verification ms by rows: "
           + ", ".join(f"{r}: {np.median(v) * 1e3:.1f}" for r, v in sorted(rec.verify.items()) if len(v) >= 3))
     print("| rule | drafted a step | tokens a step | ms a token | against pmin k=5 tau=0.85 |\n|---|---|---|---|---|")
     rules = [(f"pmin k={k} tau={t}", pmin(k, t)) for k in (3, 4, 5, 6, 8) for t in (0.0, 0.7, 0.85, 0.9)]
     rules += [(f"cum k={k} tau={t}", cumulative(k, t)) for k in (5, 8) for t in (0.4, 0.5, 0.6)]
     for name, rule in rules:
-        r = replay(rec, rule)
+        r = replay(rec, costs, rule)
         print(f"| {name} | {r['drafted']:.2f} | {r['tokens']:.2f} | {r['ms']:.2f} | {base['ms'] / r['ms']:.3f}x |")
 
 
