@@ -205,3 +205,28 @@ def test_argmax_rows_is_torch_argmax(width):
     from tokenmill.worker.sampler import first_argmax  # the sampler takes the op once the kernels load
 
     assert torch.equal(first_argmax(x.contiguous()), got)
+
+
+@pytest.mark.parametrize("width", [7, 37, 32768 + 3])
+def test_argmax_prob_rows_is_max_and_softmax(width):
+    """The draft's pick: the first maximum and its softmax probability, as max(dim) and
+    exp(max - logsumexp) give them; a row of -inf or with a NaN has a NaN probability."""
+    from tokenmill.worker.spec_decode.draft_model import draft_pick
+
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(6, width, generator=g) * 4
+    x[1, width // 2] = 1e4  # one certain token
+    x[2, [1, width - 1]] = 60.0  # two equal maxima: the first, half the mass each
+    x[3] = float("-inf")
+    x[4, width - 1] = float("nan")
+    x[5, -1] = 30.0  # the maximum in the tail past whole vectors
+    idx, prob = torch.ops.tokenmill.argmax_prob_rows(x)
+    best, ref_idx = x.max(dim=-1)
+    ref = (best - torch.logsumexp(x, dim=-1)).exp()
+    assert torch.equal(idx, torch.argmax(x, dim=-1)) and torch.equal(idx[[0, 1, 2, 5]], ref_idx[[0, 1, 2, 5]])
+    fine = [0, 1, 2, 5]
+    torch.testing.assert_close(prob[fine], ref[fine], rtol=1e-5, atol=0)
+    assert prob[1] == 1.0 and abs(prob[2].item() - 0.5) < 1e-5 and idx[2] == 1
+    assert prob[3].isnan() and prob[4].isnan() and idx[4] == width - 1
+    got_idx, got_prob = draft_pick(x[fine])
+    assert torch.equal(got_idx, idx[fine]) and torch.equal(got_prob, prob[fine])

@@ -39,7 +39,7 @@ _HEADERS = tuple(Path(__file__).parent / "csrc" / h
                            "paged_attention_values.h", "paged_attention_tasks.h", "bf16_zmm.h"))
 _NAME = "tokenmill_cpu_kernels"
 _OPS = ("paged_decode_attention", "paged_decode_attention_scaled", "rms_norm", "silu_and_mul", "rotary_embedding",
-        "argmax_rows", "prefill_attention")
+        "argmax_rows", "argmax_prob_rows", "prefill_attention")
 _lock = threading.Lock()
 _loaded: bool | None = None
 unavailable_reason: str | None = None  # why the kernels could not be built or loaded, for error messages

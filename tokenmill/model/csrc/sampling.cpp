@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 namespace tm_sampling {  // named: the library compiles as one unit (kernels.py)
 
@@ -71,12 +72,43 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Each row's first maximum and the softmax probability it has, 1 / sum(exp(x - max)): the draft
+// model's pick and its confidence (draft_model.py) in one op, where max(dim) and logsumexp were
+// two passes and ~0.25 ms on a 32k-token row. A NaN row has a NaN probability.
+std::tuple<at::Tensor, at::Tensor> argmax_prob_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "argmax_prob_rows: a [rows, width] float tensor with contiguous rows");
+  const int64_t rows = x.size(0), width = x.size(1), ld = x.stride(0);
+  at::Tensor idx = at::empty({rows}, x.options().dtype(at::kLong));
+  at::Tensor prob = at::empty({rows}, x.options());
+  const float* p = x.data_ptr<float>();
+  int64_t* o = idx.data_ptr<int64_t>();
+  float* pr = prob.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = p + r * ld;
+      o[r] = row_argmax(row, width);
+      const float m = width ? row[o[r]] : NAN;
+      const fVec vm(m);
+      fVec acc(0.f);
+      int64_t i = 0;
+      for (; i + kVec <= width; i += kVec) acc = acc + (fVec::loadu(row + i) - vm).exp();
+      float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& c) { return a + c; }, acc);
+      for (; i < width; ++i) sum += std::exp(row[i] - m);
+      pr[r] = 1.f / sum;
+    }
+  });
+  return {idx, prob};
+}
+
 }  // namespace tm_sampling
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("argmax_prob_rows(Tensor x) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("argmax_rows", &tm_sampling::argmax_rows);
+  m.impl("argmax_prob_rows", &tm_sampling::argmax_prob_rows);
 }

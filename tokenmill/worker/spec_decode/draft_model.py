@@ -28,12 +28,23 @@ import time
 import numpy as np
 import torch
 
+from tokenmill.model.kernels import cpu_kernels_loaded
 from tokenmill.worker.request_state import RequestState
 from tokenmill.worker.spec_decode.ngram import ngram_drafts
 
 # a prompt-lookup match drafts as many tokens as it agrees backwards, up to this (or k): a copy of the
 # input goes on for long (on code edits 8 and 16 measured alike, 5 less; BENCHMARKS.md)
 LOOKUP_MAX_DRAFTS = 16
+
+
+def draft_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first maximum and the probability the draft gives it, exp(max - logsumexp): one op
+    with tokenmill's CPU kernels (csrc/sampling.cpp)."""
+    logits = logits.float()
+    if logits.stride(-1) == 1 and cpu_kernels_loaded():
+        return torch.ops.tokenmill.argmax_prob_rows(logits)
+    best, tokens = logits.max(dim=-1)
+    return tokens, (best - torch.logsumexp(logits, dim=-1)).exp()
 
 
 class DraftModelProposer:
@@ -105,12 +116,11 @@ class DraftModelProposer:
             hidden = self.model(input_ids, positions, self.backend.build_metadata(layout))
             if len(layout.query_lens) < len(input_ids):
                 hidden = hidden[torch.from_numpy(np.cumsum(layout.query_lens) - 1)]
-            logits = self.head(hidden)
-            best, tokens = logits.max(dim=-1)
+            tokens, prob = draft_pick(self.head(hidden))
             if self.vocab_ids is not None:
                 tokens = self.vocab_ids[tokens]
-            if self.p_min > 0:  # p(argmax) = exp(max - logsumexp)
-                keep = ((best - torch.logsumexp(logits.float(), dim=-1)).exp() >= self.p_min).tolist()
+            if self.p_min > 0:
+                keep = (prob >= self.p_min).tolist()
             for j, tok in enumerate(tokens.tolist()):
                 i = active[order[j]]
                 states[i].draft_num_computed = rows[order[j]][1] + len(rows[order[j]][0])
