@@ -1,7 +1,8 @@
 // Each row's first maximum of fp32 logits, as torch.argmax gives it (a NaN counts as the largest, the
 // first of equals wins): the sampler's greedy rows. It runs right after the LM head, whose weights
 // have just streamed through the caches, so every op there starts cold: one op instead of
-// first_argmax's eight (sampler.py), with the same chunked search.
+// first_argmax's eight (sampler.py), with the same chunked search. The draft model's pick adds the
+// probability of that maximum (argmax_prob_rows).
 // Compiled into the kernels library as one unit with paged_attention.cpp (kernels.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
