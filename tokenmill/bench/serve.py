@@ -95,7 +95,8 @@ async def _open_loop(one, offsets: list[float], t0: float) -> None:
     tasks: list[asyncio.Task] = []
     try:
         for i, at in enumerate(offsets):
-            if (delay := t0 + at - time.perf_counter()) > 0:
+            # asyncio's timer can fire a millisecond early (its clock is not perf_counter): never send early
+            while (delay := t0 + at - time.perf_counter()) > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
