@@ -38,9 +38,10 @@ def test_rms_norm_with_and_without_residual(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_and_mul(dtype):
-    x = torch.randn(19, 2 * 1536, dtype=dtype) * 4
-    out = torch.empty(19, 1536, dtype=dtype)
+@pytest.mark.parametrize("rows, inter", [(19, 1536), (1, 4864), (3, 96)])  # rows in pieces, a last short one
+def test_silu_and_mul(dtype, rows, inter):
+    x = torch.randn(rows, 2 * inter, dtype=dtype) * 4
+    out = torch.empty(rows, inter, dtype=dtype)
     torch.ops.tokenmill.silu_and_mul(out, x)
     _same(out, silu_and_mul(x), dtype)
 
