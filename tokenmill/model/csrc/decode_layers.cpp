@@ -34,6 +34,14 @@ struct Packed {
   int64_t out = 0, dense_min_rows = 0, act_bits = 16;
 };
 
+// The first n values of each row of src (contiguous rows) into dst's rows, back to back.
+void copy_rows(const at::Tensor& dst, const at::Tensor& src, int64_t n) {
+  const int64_t es = src.element_size(), bytes = n * es;
+  char* d = static_cast<char*>(dst.data_ptr());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  for (int64_t t = 0; t < src.size(0); ++t) std::memcpy(d + t * bytes, s + t * src.size(1) * es, bytes);
+}
+
 // This step's K/V rows of a cache in the model's dtype into their slots, before attention reads them.
 void write_plain_kv(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& qkv, const int64_t* slots,
                     int64_t q_size, int64_t kv_size) {
@@ -167,6 +175,9 @@ struct DecodePlan : torch::CustomClassHolder {
     at::Tensor normed = at::empty_like(x), qkv, o, gate_up, act, down, q, k, v;
     at::Tensor attn = at::empty({T_, H, D}, x.options());
     const at::Tensor attn_rows = attn.view({T_, q_size});
+    // the queries as contiguous rows for the kernels: row copies into one buffer, where q.contiguous()
+    // through the dispatcher took 7-10 us of a 4-row verification's layer, these 4 (Zen 4)
+    const at::Tensor q_rows = T_ == 1 ? at::Tensor() : at::empty({T_, H, D}, x.options());
     for (const Layer& ly : layers) {
       tm_elementwise::rms_norm(normed, x, residual, ly.in_norm, eps);
       const bool fresh_qkv = !qkv.defined();
@@ -177,16 +188,17 @@ struct DecodePlan : torch::CustomClassHolder {
         v = qkv.narrow(1, q_size + kv_size, kv_size).view({T_, Hkv, D});
       }
       tm_elementwise::rotary_embedding(q, k, cos, sin, positions);
-      const at::Tensor q_rows = T_ == 1 ? q : q.contiguous();
+      if (T_ > 1) copy_rows(q_rows, qkv, q_size);
+      const at::Tensor& q_in = T_ == 1 ? q : q_rows;
       if (plain_kv) {
         write_plain_kv(ly.k_cache, ly.v_cache, qkv, slots, q_size, kv_size);
-        tm_paged::paged_decode_attention(attn, q_rows, ly.k_cache, ly.v_cache, block_tables, seq_lens, scale);
+        tm_paged::paged_decode_attention(attn, q_in, ly.k_cache, ly.v_cache, block_tables, seq_lens, scale);
       } else {  // as cpu_paged.py's quantized path: the same values written, the same kernels in the same order
         if (ly.k_scale.numel()) kv_write->call(k, v, ly.k_cache, ly.v_cache, ly.k_scale, ly.v_scale, slot_mapping);
         else write_bf16_kv(ly.k_cache, ly.v_cache, qkv, slots, q_size, kv_size);
-        if (!tm_paged::paged_decode_attention_scaled(attn, q_rows, ly.k_cache, ly.v_cache, ly.k_scale, ly.v_scale,
+        if (!tm_paged::paged_decode_attention_scaled(attn, q_in, ly.k_cache, ly.v_cache, ly.k_scale, ly.v_scale,
                                                      block_tables, seq_lens, scale))
-          kv_decode->call(attn, q_rows, ly.k_cache, ly.v_cache, ly.k_scale, ly.v_scale, block_tables, seq_lens, scale);
+          kv_decode->call(attn, q_in, ly.k_cache, ly.v_cache, ly.k_scale, ly.v_scale, block_tables, seq_lens, scale);
       }
       qlinear(o, ly.o, attn_rows, std::nullopt);
       tm_elementwise::rms_norm(normed, o, residual, ly.post_norm, eps);
