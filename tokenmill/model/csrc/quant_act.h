@@ -81,21 +81,27 @@ inline ActRow act_row(const uint8_t* base, int64_t K, bool with_q16) {
   return {q, f, f + C, f + 2 * C, f + 3 * C, q + K, reinterpret_cast<const int16_t*>(q + 2 * K), up, mp, q16};
 }
 
+// A super-block's amax, amax / 127 and 127 / amax (or 0): pow2's divisions once per 256, not per chunk
+struct BlockScale {
+  float amax, scale, inv;
+  explicit BlockScale(float a = 0.f) : amax(a), scale(a / 127.f), inv(a > 0.f ? 127.f / a : 0.f) {}
+};
+
 // A chunk's scale and its inverse: amax_c / 127, or with pow2 the super-block's amax_b / 127 over the
 // largest 2^s (s <= kMaxUp) that keeps the chunk's codes within 127 (exact: the kernel shifts by up).
-inline void chunk_scale(float amax_c, float amax_b, bool pow2, float& scale, float& inv, int8_t& up) {
+inline void chunk_scale(float amax_c, const BlockScale& b, bool pow2, float& scale, float& inv, int8_t& up) {
   if (!pow2) {
     scale = amax_c / 127.f;
     inv = amax_c > 0.f ? 127.f / amax_c : 0.f;
     up = 0;
     return;
   }
+  // s: how many of amax_c * 2, * 4, * 8 stay within the block's amax (the first ones), counted
+  // without a branch; times 2^-s, 2^s: exact, or rounded once as ldexp rounds (a libm call per chunk)
   int s = 0;
-  while (s < kMaxUp && amax_c * static_cast<float>(2 << s) <= amax_b) ++s;
-  // times 2^-s, 2^s: exact, or rounded once as ldexp rounds (a libm call per chunk: a third of the
-  // quantization's time, which a few-row product of a long row (K = 8960) spends serially)
-  scale = amax_b / 127.f * (1.f / static_cast<float>(1 << s));
-  inv = amax_b > 0.f ? 127.f / amax_b * static_cast<float>(1 << s) : 0.f;
+  while (s < kMaxUp && amax_c * static_cast<float>(2 << s) <= b.amax) ++s;
+  scale = b.scale * (1.f / static_cast<float>(1 << s));
+  inv = b.inv * static_cast<float>(1 << s);
   up = static_cast<int8_t>(kMaxUp - s);
 }
 
@@ -136,17 +142,17 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
   int16_t* bs = reinterpret_cast<int16_t*>(q + 2 * K);
   int8_t* up = reinterpret_cast<int8_t*>(dst + act_up_offset(K));
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  float amax_b = 0.f;
+  BlockScale block;
   for (int64_t c = 0; c < C; ++c) {
     const __m512 a = load16(x + c * 32), b = load16(x + c * 32 + 16);
     if (pow2 && c % 8 == 0) {
       __m512 m = _mm512_setzero_ps();
       for (int i = 0; i < 256; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(x + c * 32 + i)));
-      amax_b = _mm512_reduce_max_ps(m);
+      block = BlockScale(_mm512_reduce_max_ps(m));
     }
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     float scale, vinv;
-    chunk_scale(amax, amax_b, pow2, scale, vinv, up[c]);
+    chunk_scale(amax, block, pow2, scale, vinv, up[c]);
     const __m512 inv = _mm512_set1_ps(vinv);
     int s0, s1, r0 = 0, r1 = 0;
     quantize16(_mm512_mul_ps(a, inv), fine, q + c * 32, qr + c * 32, s0, r0);
@@ -161,11 +167,11 @@ void quantize_row(const T* x, int64_t K, uint8_t* dst, bool fine, bool pow2 = fa
 #else
   int16_t* q16 = with_q16 ? reinterpret_cast<int16_t*>(dst + act_q16_offset(K)) : nullptr;
   int32_t* mp = reinterpret_cast<int32_t*>(dst + act_mp_offset(K));
-  float amax_b = 0.f;
+  BlockScale block;
   for (int64_t c = 0; c < C; ++c) {
-    if (pow2 && c % 8 == 0) amax_b = abs_max(x + c * 32, 256);
+    if (pow2 && c % 8 == 0) block = BlockScale(abs_max(x + c * 32, 256));
     float scale, inv;
-    chunk_scale(abs_max(x + c * 32, 32), amax_b, pow2, scale, inv, up[c]);
+    chunk_scale(abs_max(x + c * 32, 32), block, pow2, scale, inv, up[c]);
     int sq[2], sr[2];  // the halves' sums of codes and of residual codes
     quantize_chunk(x + c * 32, inv, fine, q + c * 32, qr + c * 32, q16 ? q16 + c * 32 : nullptr, sq, sr);
     dx[c] = scale;
