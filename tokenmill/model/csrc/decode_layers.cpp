@@ -176,7 +176,7 @@ struct DecodePlan : torch::CustomClassHolder {
     at::Tensor attn = at::empty({T_, H, D}, x.options());
     const at::Tensor attn_rows = attn.view({T_, q_size});
     // the queries as contiguous rows for the kernels: row copies into one buffer, where q.contiguous()
-    // through the dispatcher took 7-10 us of a 4-row verification's layer, these 4 (Zen 4)
+    // through the dispatcher took 7-10 us of a 4-row verification's layer, the copies 1-4 (Zen 4)
     const at::Tensor q_rows = T_ == 1 ? at::Tensor() : at::empty({T_, H, D}, x.options());
     for (const Layer& ly : layers) {
       tm_elementwise::rms_norm(normed, x, residual, ly.in_norm, eps);
