@@ -17,7 +17,8 @@ from tokenmill import distributed
 from tokenmill.model.layers.quantization.packed import PackedLinearMethod
 
 
-def _packed(linear) -> bool:
+def packed_linear(linear) -> bool:
+    """Whether `linear` runs the packed method's qlinear as it is (what the C++ calls do)."""
     m = linear.method
     return (isinstance(m, PackedLinearMethod) and type(m).apply is PackedLinearMethod.apply
             and linear.row_tile is None and linear.q_views is not None)
@@ -47,7 +48,7 @@ class FusedDecode:
         linears = [lin for ly in layers for lin in (ly.self_attn.qkv_proj, ly.self_attn.o_proj,
                                                   ly.mlp.gate_up_proj, ly.mlp.down_proj)]
         if not (layers and isinstance(backend, CPUPagedBackend) and distributed.state().tp_size == 1
-                and plan_class is not None and all(map(_packed, linears))
+                and plan_class is not None and all(map(packed_linear, linears))
                 and all(isinstance(ly.self_attn.kv_cache, torch.Tensor | QuantizedKVCache) for ly in layers)
                 and all(lin.bias is None for ly in layers for lin in (ly.self_attn.o_proj, ly.mlp.gate_up_proj,
                                                                      ly.mlp.down_proj))):

@@ -1,6 +1,6 @@
 """Builds and loads tokenmill's C++ CPU kernels (torch ops under `torch.ops.tokenmill`): paged
 decode attention, fp32 prompt attention, RMSNorm (+ residual), SiLU-and-mul, rotary embedding, the
-fused decode layers and a greedy row argmax (sources in csrc/).
+fused decode layers, a greedy row argmax and a draft model's passes (sources in csrc/).
 
 Compiled once per machine with torch's cpp_extension (one translation unit including every
 source, with torch's lighter headers: ~11 s of one core; concurrent processes wait for one
@@ -33,7 +33,7 @@ from tokenmill.utils.cpu import active_isa
 logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "elementwise.cpp",
                                                                     "decode_layers.cpp", "sampling.cpp",
-                                                                    "prefill_attention.cpp")]
+                                                                    "draft_loop.cpp", "prefill_attention.cpp")]
 _HEADERS = tuple(Path(__file__).parent / "csrc" / h
                  for h in ("paged_attention_avx2.h", "paged_attention_avx512.h", "paged_attention_keys.h",
                            "paged_attention_values.h", "paged_attention_tasks.h", "bf16_zmm.h"))

@@ -130,7 +130,7 @@ class LlamaModel(nn.Module):
         x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         # the fused kernel reads the fp32 tables by position; the portable path gets per-token rows
         rope = (self.rotary.cos, self.rotary.sin, positions) if self.fused else self.rotary.lookup(positions, x.dtype)
-        fused = self._fused_decode() if self.fused else None
+        fused = self.fused_layers() if self.fused else None
         if fused is not None and fused.applies(x, meta):
             x, residual = fused(x, residual, rope, meta)
         else:
@@ -141,7 +141,7 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def _fused_decode(self) -> FusedDecode:
+    def fused_layers(self) -> FusedDecode:
         """Decode-only steps in one C++ call (fused_decode.py), set up at first use."""
         if self.fused_decode is None or self.fused_decode.stale():
             layers = [self.layers[i] for i in self.stage_layers]

@@ -12,7 +12,8 @@ its pass already and is accepted often enough to be worth its verification row (
 proposing it drafted 1.03-1.05x faster than dropping it; BENCHMARKS.md). The scheduler reserves k
 lookahead slots for the draft's K/V past the request's tokens; a request whose blocks hold fewer
 gets fewer drafts. With a reduced draft vocabulary (draft_vocab.py) the draft's head scores only
-the most frequent tokens.
+the most frequent tokens. Where the draft's layers run fused (packed weights), a proposal's passes
+run in one C++ call (draft_loop.py) that drafts the same tokens.
 
 Lookup first (`lookup_min`): where a request's last `lookup_min` tokens occurred before in its
 prompt or output, the tokens that followed are its drafts (the n-gram proposer's rule), and the draft
@@ -30,6 +31,7 @@ import torch
 
 from tokenmill.model.kernels import cpu_kernels_loaded
 from tokenmill.worker.request_state import RequestState
+from tokenmill.worker.spec_decode.draft_loop import FusedDraftLoop
 from tokenmill.worker.spec_decode.ngram import ngram_drafts
 
 # a prompt-lookup match drafts as many tokens as it agrees backwards, up to this (or k): a copy of the
@@ -68,6 +70,8 @@ class DraftModelProposer:
         # seconds of the last proposal's passes that caught up on a prompt (more than k + 1 new
         # tokens): a prefill, not the per-step cost of drafting that the speculation policy weighs
         self.prefill_seconds = 0.0
+        head = model.lm_head if vocab_ids is None else self.head
+        self.fused_loop = FusedDraftLoop(model, head, vocab_ids, block_size)  # passes in one call, where it applies
 
     def allocate_kv_cache(self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                           storage: torch.dtype | None = None) -> None:
@@ -78,8 +82,6 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, states: list[RequestState], max_passes: list[int | None] | None = None) -> list[list[int]]:
-        from tokenmill.worker.model_runner import flat_batch
-
         drafts: list[list[int]] = [[] for _ in states]
         # the draft writes K/V up to position len(tokens) + k - 2: only within the request's blocks
         budget = [min(self.k, len(s.block_ids) * self.block_size - len(s.token_ids) + 1,
@@ -95,6 +97,39 @@ class DraftModelProposer:
                     drafts[i], budget[i] = found, 0
         active = [i for i, b in enumerate(budget) if b > 0]
         self.prefill_seconds = 0.0
+        loop = self.fused_loop.get() if active else None
+        if loop is not None and all(len(states[i].token_ids) - min(states[i].draft_num_computed,
+                                                                   len(states[i].token_ids) - 1) <= self.k + 1
+                                    for i in active):
+            self._propose_fused(loop, states, active, budget, drafts)
+        else:
+            self._propose_python(states, active, budget, drafts)
+        return drafts
+
+    def _propose_fused(self, loop, states: list[RequestState], active: list[int], budget: list[int],
+                       drafts: list[list[int]]) -> None:
+        """Every pass in one call (draft_loop.py): the first feeds each request's unseen tokens, as
+        decode rows."""
+        tokens, positions, q_lens = [], [], []
+        for i in active:
+            s = states[i]
+            start = min(s.draft_num_computed, len(s.token_ids) - 1)
+            tokens += s.token_ids[start:]
+            positions += range(start, len(s.token_ids))
+            q_lens.append(len(s.token_ids) - start)
+        tables = np.zeros((len(active), max(len(states[i].block_ids) for i in active)), dtype=np.int64)
+        for row, i in enumerate(active):
+            tables[row, :len(states[i].block_ids)] = states[i].block_ids
+        out = loop.run(torch.tensor(tokens), torch.tensor(positions), torch.tensor(q_lens), torch.from_numpy(tables),
+                       torch.tensor([budget[i] for i in active]), self.p_min)
+        for i, row in zip(active, out.tolist()):
+            drafts[i] = [t for t in row if t >= 0]
+            states[i].draft_num_computed = len(states[i].token_ids) + len(drafts[i]) - 1
+
+    def _propose_python(self, states: list[RequestState], active: list[int], budget: list[int],
+                        drafts: list[list[int]]) -> None:
+        from tokenmill.worker.model_runner import flat_batch
+
         for step in range(max((budget[i] for i in active), default=0)):
             t0 = time.perf_counter()
             active = [i for i in active if budget[i] > step]
@@ -129,4 +164,3 @@ class DraftModelProposer:
                     budget[i] = step + 1  # the request's last draft
             if step == 0 and max(layout.query_lens) > self.k + 1:
                 self.prefill_seconds += time.perf_counter() - t0
-        return drafts
