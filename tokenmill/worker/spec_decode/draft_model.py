@@ -39,6 +39,11 @@ from tokenmill.worker.spec_decode.ngram import ngram_drafts
 LOOKUP_MAX_DRAFTS = 16
 
 
+def _unseen_from(s: RequestState) -> int:
+    """The first token the draft has not seen (at least the last one: its pass gives the first draft)."""
+    return min(s.draft_num_computed, len(s.token_ids) - 1)
+
+
 def draft_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's first maximum and the probability the draft gives it, exp(max - logsumexp): one op
     with tokenmill's CPU kernels (csrc/sampling.cpp)."""
@@ -98,9 +103,7 @@ class DraftModelProposer:
         active = [i for i, b in enumerate(budget) if b > 0]
         self.prefill_seconds = 0.0
         loop = self.fused_loop.get() if active else None
-        if loop is not None and all(len(states[i].token_ids) - min(states[i].draft_num_computed,
-                                                                   len(states[i].token_ids) - 1) <= self.k + 1
-                                    for i in active):
+        if loop is not None and all(len(states[i].token_ids) - _unseen_from(states[i]) <= self.k + 1 for i in active):
             self._propose_fused(loop, states, active, budget, drafts)
         else:
             self._propose_python(states, active, budget, drafts)
@@ -113,7 +116,7 @@ class DraftModelProposer:
         tokens, positions, q_lens = [], [], []
         for i in active:
             s = states[i]
-            start = min(s.draft_num_computed, len(s.token_ids) - 1)
+            start = _unseen_from(s)
             tokens += s.token_ids[start:]
             positions += range(start, len(s.token_ids))
             q_lens.append(len(s.token_ids) - start)
@@ -139,7 +142,7 @@ class DraftModelProposer:
             for i in active:
                 s = states[i]
                 if step == 0:
-                    start = min(s.draft_num_computed, len(s.token_ids) - 1)
+                    start = _unseen_from(s)
                     new = s.token_ids[start:]
                 else:
                     start, new = len(s.token_ids) + step - 1, [drafts[i][-1]]
