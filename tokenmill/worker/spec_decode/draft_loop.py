@@ -15,13 +15,6 @@ from tokenmill.model.fused_decode import packed_linear
 from tokenmill.model.layers.quantization.packed import PackedLinearMethod
 
 
-def _loop_class():
-    try:
-        return torch.classes.tokenmill.DraftLoop
-    except RuntimeError:  # the CPU kernels are not loaded
-        return None
-
-
 class FusedDraftLoop:
     """Built lazily (after the KV cache is bound); `get()` gives the C++ loop, or None when the
     draft does not qualify (then the Python loop drafts)."""
@@ -34,7 +27,7 @@ class FusedDraftLoop:
 
     def get(self):
         inner = getattr(self.model, "model", None)
-        if not (getattr(inner, "fused", False) and hasattr(inner, "fused_layers")) or _loop_class() is None:
+        if not (getattr(inner, "fused", False) and hasattr(inner, "fused_layers")):
             return None
         fused = inner.fused_layers()
         if fused is not self._plan_source:
@@ -43,7 +36,8 @@ class FusedDraftLoop:
 
     def _build(self, inner, fused):
         embed, head = inner.embed_tokens, self.head
-        # fused.usable: packed layers, the paged backend, no tensor parallelism
+        # fused.usable: packed layers, the paged backend, no tensor parallelism, and the kernels library
+        # (DecodePlan's and DraftLoop's) loaded
         if not (fused.usable and inner.is_first and inner.is_last and packed_linear(head)
                 and type(embed.method).embed is PackedLinearMethod.embed
                 and inner.norm.weight.dtype in (torch.bfloat16, torch.float32)):
@@ -53,6 +47,6 @@ class FusedDraftLoop:
             ints += [qt, rows]
         ids = self.vocab_ids if self.vocab_ids is not None else torch.empty(0, dtype=torch.long)
         embedding, qlinear = f"{embed.method.ops.name}::embedding", f"{head.method.ops.name}::qlinear"
-        return _loop_class()(fused.plan, embed.weight.data, embed.method.qtypes[0], embedding, inner.norm.weight.data,
-                             inner.norm.eps, list(head.q_views), ints, qlinear, ids, inner.rotary.cos,
-                             inner.rotary.sin, self.block_size)
+        return torch.classes.tokenmill.DraftLoop(
+            fused.plan, embed.weight.data, embed.method.qtypes[0], embedding, inner.norm.weight.data, inner.norm.eps,
+            list(head.q_views), ints, qlinear, ids, inner.rotary.cos, inner.rotary.sin, self.block_size)

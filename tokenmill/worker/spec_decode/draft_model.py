@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from tokenmill.model.attention.torch_sdpa import padded_block_table
 from tokenmill.model.kernels import cpu_kernels_loaded
 from tokenmill.worker.request_state import RequestState
 from tokenmill.worker.spec_decode.draft_loop import FusedDraftLoop
@@ -120,10 +121,9 @@ class DraftModelProposer:
             tokens += s.token_ids[start:]
             positions += range(start, len(s.token_ids))
             q_lens.append(len(s.token_ids) - start)
-        tables = np.zeros((len(active), max(len(states[i].block_ids) for i in active)), dtype=np.int64)
-        for row, i in enumerate(active):
-            tables[row, :len(states[i].block_ids)] = states[i].block_ids
-        out = loop.run(torch.tensor(tokens), torch.tensor(positions), torch.tensor(q_lens), torch.from_numpy(tables),
+        blocks = [states[i].block_ids for i in active]  # all of them: the drafts' slots are past the tokens
+        tables = padded_block_table(blocks, [len(b) * self.block_size for b in blocks], self.block_size)
+        out = loop.run(torch.tensor(tokens), torch.tensor(positions), torch.tensor(q_lens), tables,
                        torch.tensor([budget[i] for i in active]), self.p_min)
         for i, row in zip(active, out.tolist()):
             drafts[i] = [t for t in row if t >= 0]
