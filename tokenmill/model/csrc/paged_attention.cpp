@@ -21,6 +21,8 @@
 #include <utility>
 #include <vector>
 
+#include "paged_attention_shares.h"
+
 namespace tm_paged {  // named: the library compiles as one unit (kernels.py)
 
 using fVec = at::vec::Vectorized<float>;

@@ -228,14 +228,17 @@ inline void decode_attention_avx2(float* out, const float* q, const C* k_cache, 
   // arithmetic is unchanged.
   constexpr int64_t kAvx2Rows = 8;
   const int64_t row_scores = G * kAvx2Chunk;
-  at::parallel_for(0, task_start.back(), 1, [&](int64_t begin, int64_t end) {
+  TaskShares shares(task_start.back(), at::get_num_threads());
+  at::parallel_for(0, shares.count(), 1, [&](int64_t own, int64_t) {
     std::vector<float> qf(G * D), scores(kAvx2Rows * row_scores), weights(k_scale ? kAvx2Rows * row_scores : 0);
     float ks[kAvx2Chunk] = {}, vs[kAvx2Chunk] = {};
     TaskKeys bufs[2];
     TaskKeys *cur = &bufs[0], *next = &bufs[1];
-    keys_of(begin, *cur);
-    for (int64_t task = begin; task < end; ++task, std::swap(cur, next)) {
-      if (task + 1 < end) keys_of(task + 1, *next);  // its K rows on their way while this one runs (V: below)
+    int64_t cursor = 0, task = shares.claim(own, cursor), after = -1;
+    if (task >= 0) keys_of(task, *cur);
+    for (; task >= 0; task = after, std::swap(cur, next)) {
+      after = shares.claim(own, cursor);  // claimed now, so that its K rows come while this one runs (V: below)
+      if (after >= 0) keys_of(after, *next);
       const int64_t t0 = cur->t0, h = cur->h;
       if (k_scale)
         for (int64_t i = 0; i < cur->n; ++i) ks[i] = k_scale[cur->at[i]], vs[i] = v_scale[cur->at[i]];
@@ -251,7 +254,7 @@ inline void decode_attention_avx2(float* out, const float* q, const C* k_cache, 
                             k_scale ? ks : nullptr, k_scale ? vs : nullptr,
                             k_scale ? weights.data() + (b - r0) * row_scores : nullptr);
         }
-        if (r0 == runs[cur->ri] && task + 1 < end) prefetch_rows(v_cache, next->off, next->n, D);
+        if (r0 == runs[cur->ri] && after >= 0) prefetch_rows(v_cache, next->off, next->n, D);
         for (int64_t b = r0; b < r1; ++b)
           if (seq_lens[b] > t0)
             chunk_values_of(v_cache, cur->off, std::min(kAvx2Chunk, seq_lens[b] - t0), G, D,

@@ -51,28 +51,15 @@ std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* tables, const i
   return runs;
 }
 
-// fn(task, scratch) for tasks [0, total): each thread takes its own contiguous share first, then
-// what is left of the others' (a thread that finished early, or started late, is not idle at the
-// region's end). Which thread runs a task never changes its result. A 16-row verification's
+// fn(task, scratch) for tasks [0, total), shared out by TaskShares. A 16-row verification's
 // attention -3.5%, its forward -1.4% on SmolLM2; batched decode even (BENCHMARKS.md).
 template <typename Scratch, typename Fn>
 void for_tasks(int64_t total, Fn&& fn) {
-  struct alignas(64) Share {
-    std::atomic<int64_t> next;
-    int64_t end;
-  };
-  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(total, at::get_num_threads()));
-  std::unique_ptr<Share[]> share(new Share[nt]);
-  for (int64_t t = 0; t < nt; ++t) {
-    share[t].next.store(t * total / nt, std::memory_order_relaxed);
-    share[t].end = (t + 1) * total / nt;
-  }
-  at::parallel_for(0, nt, 1, [&](int64_t begin, int64_t) {
+  TaskShares shares(total, at::get_num_threads());
+  at::parallel_for(0, shares.count(), 1, [&](int64_t own, int64_t) {
     Scratch s;
-    for (int64_t i = 0; i < nt; ++i) {
-      Share& sh = share[(begin + i) % nt];
-      for (int64_t task; (task = sh.next.fetch_add(1, std::memory_order_relaxed)) < sh.end;) fn(task, s);
-    }
+    int64_t cursor = 0;
+    for (int64_t task; (task = shares.claim(own, cursor)) >= 0;) fn(task, s);
   });
 }
 
