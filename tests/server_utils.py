@@ -7,6 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 from tokenmill.bench.server_process import ServerProcess as _ServerProcess
 from tokenmill.bench.server_process import free_port  # noqa: F401 (the tests' import of it)
 from tokenmill.model.loader.cache import cache_root
@@ -31,6 +33,12 @@ class ServerProcess(_ServerProcess):
                 return m
             time.sleep(0.1)
         raise AssertionError(f"engine not idle after {timeout}s: {m}")
+
+
+def ipc_folders(pid: int) -> set[Path]:
+    """The folders of the ipc:// sockets a front end bound for its engine core."""
+    paths = [Path(c.laddr) for c in psutil.Process(pid).net_connections(kind="unix") if c.laddr]
+    return {p.parent for p in paths if p.parent.name.startswith("tokenmill-core-")}
 
 
 def serve_until_exit(*args: str, env: dict | None = None, timeout: float = 120.0) -> tuple[int, str]:

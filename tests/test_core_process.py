@@ -19,7 +19,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, ipc_folders
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineConfig
 
@@ -202,15 +202,18 @@ def test_core_death_fails_a_waiting_non_streaming_request_with_500():
         assert r.status_code == 500
         assert "engine core process" in r.json()["error"]["message"]
     finally:
-        server.stop(signal.SIGKILL)
+        server.stop()  # not SIGKILL: with its core dead, only the front end can remove their sockets
 
 
 @pytest.mark.slow
 def test_no_orphan_core_when_the_front_end_is_killed():
     server = ServerProcess().wait_ready()
     core = psutil.Process(_core_pid(server))
+    folders = ipc_folders(server.proc.pid)
+    assert len(folders) == 1 and all(f.is_dir() for f in folders), folders
     server.stop(signal.SIGKILL)
     core.wait(timeout=10)  # the core sees its parent's sentinel and exits
+    assert not any(f.exists() for f in folders), "the killed front end's sockets were left in /tmp"
 
 
 @pytest.mark.slow

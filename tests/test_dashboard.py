@@ -102,7 +102,9 @@ def test_dashboard_in_a_real_browser_under_load(server, tmp_path):
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                 "--window-size=1400,2000"):
         options.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    # chromium's singleton socket folder goes in TMPDIR and outlives driver.quit(): keep it out of /tmp
+    service = Service(CHROMEDRIVER, env={**os.environ, "TMPDIR": str(tmp_path)})
+    driver = webdriver.Chrome(service=service, options=options)
     text = lambda element_id: driver.find_element(By.ID, element_id).text  # noqa: E731
     number = lambda element_id: float(text(element_id).replace(",", "").replace(" %", ""))  # noqa: E731
 

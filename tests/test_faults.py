@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess, private_cache
+from tests.server_utils import ServerProcess, ipc_folders, private_cache
 
 pytestmark = pytest.mark.slow
 FAULTS = {"schedule": 31999, "detokenize": 31998, "stop_check": 31997}
@@ -173,12 +173,18 @@ def test_sigkill_mid_kernel_build_then_restart(tmp_path):
         while not ((builds := _own_builds(tmp_path)) and _processes_naming(builds[0])):
             assert time.monotonic() < deadline and srv.proc.poll() is None, "no build ran: test the wrong thing"
             time.sleep(0.01)
+        folders = ipc_folders(srv.proc.pid)
+        assert len(folders) == 1, folders  # the core runs the build, the front end waits on it
     finally:
         srv.stop(signal.SIGKILL)
     assert _own_builds(tmp_path), "the kill left no half-built kernels: test the wrong thing"
     deadline = time.monotonic() + 10  # the build's process group dies with the server
     while _processes_naming(tmp_path):
         assert time.monotonic() < deadline, f"orphaned build processes: {_processes_naming(tmp_path)}"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 10  # the core, still starting, removes the killed front end's sockets
+    while any(f.exists() for f in folders):
+        assert time.monotonic() < deadline, f"the killed front end's sockets were left: {folders}"
         time.sleep(0.1)
     again = ServerProcess(env=env).wait_ready(timeout=300)  # the kernel lock died with its holder
     try:

@@ -9,6 +9,7 @@ raises outside a step (it reports the cause first).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import multiprocessing
@@ -33,6 +34,7 @@ OUTPUTS, STEP_FAILED, RESULT, READY, FATAL = b"O", b"E", b"R", b"Y", b"F"
 
 _IDLE_POLL_MS = 1000  # an idle core wakes this often (the parent's death wakes it at once)
 _CALLABLE = {"kv_block_states", "stats"}  # what the front end may call by name
+_FRONT_END_GONE = "front end gone"
 
 
 class CoreReady(msgspec.Struct):
@@ -70,8 +72,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s core{replica} %(name)s: %(message)s")
     started = threading.Event()
     if watch_parent:
-        threading.Thread(target=_exit_with_parent, args=(started,), name="tokenmill-parent-watch",
-                         daemon=True).start()
+        threading.Thread(target=_exit_with_parent, args=(started, input_addr, output_addr),
+                         name="tokenmill-parent-watch", daemon=True).start()
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     out = ctx.socket(zmq.PUSH)
@@ -97,7 +99,8 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
     started.set()  # from here the busy loop watches the parent
     out.send_multipart([READY, encoder.encode(CoreReady(core.max_model_len, core.kv.num_blocks))])
     try:
-        _busy_loop(core, inp, out, encoder, watch_parent)
+        if _busy_loop(core, inp, out, encoder, watch_parent) == _FRONT_END_GONE:
+            _remove_front_end_sockets(input_addr, output_addr)
     except BaseException as e:  # noqa: BLE001
         logger.exception("engine core died")
         out.send_multipart([FATAL, encoder.encode(CoreFailure(type(e).__name__, str(e)))])
@@ -119,18 +122,34 @@ def _freeze_start_up_objects() -> None:
     logger.info("froze %d start-up objects out of the garbage collector", gc.get_freeze_count())
 
 
-def _exit_with_parent(started: threading.Event) -> None:
+def _remove_front_end_sockets(*addrs: str) -> None:
+    """The front end binds its ipc:// sockets in a folder of its own and removes them when it stops.
+    A front end that was killed cannot: the core it leaves behind does, or each kill would leave a
+    folder in /tmp."""
+    for addr in addrs:
+        if addr.startswith("ipc://"):
+            path = addr.removeprefix("ipc://")
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            if os.path.basename(os.path.dirname(path)).startswith("tokenmill-core-"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.dirname(path))
+
+
+def _exit_with_parent(started: threading.Event, input_addr: str, output_addr: str) -> None:
     """During start-up (a kernel build takes ~20 s, loading the weights seconds) nothing else
     watches the parent: if it dies then, this process exits rather than finish loading for no one."""
     parent = multiprocessing.parent_process()
     while not started.is_set():
         if wait([parent.sentinel], timeout=0.2) and not started.is_set():
             logger.error("the front end is gone during start-up; engine core exits")
+            _remove_front_end_sockets(input_addr, output_addr)
             os._exit(1)
 
 
 def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.Encoder,
-               watch_parent: bool) -> None:
+               watch_parent: bool) -> str | None:
+    """Steps until told to stop (returns None) or the front end is gone (returns _FRONT_END_GONE)."""
     parent = multiprocessing.parent_process() if watch_parent else None
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
@@ -146,7 +165,7 @@ def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.
         events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
         if parent is not None and (parent.sentinel in events or os.getppid() != ppid):
             logger.error("the front end is gone; engine core exits")
-            return
+            return _FRONT_END_GONE
         changed = False
         while inp in events or (changed and inp.poll(0)):
             events = {}
@@ -165,7 +184,7 @@ def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.
                 value = getattr(core, call.method)() if call.method in _CALLABLE else None
                 out.send_multipart([RESULT, encoder.encode(CoreResult(call.call_id, value))])
             elif kind == STOP:
-                return
+                return None
         if core.has_unfinished():
             try:
                 outputs = core.step()
