@@ -72,7 +72,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer, x, bias, out_dtype=None):
         if layer.packed_weight is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
-        elif (x.dtype == torch.bfloat16 and layer.weight.dtype == torch.bfloat16 and layer.row_tile is None
+        elif (x.dtype == layer.weight.dtype == torch.bfloat16 and getattr(layer, "row_tile", None) is None
               and x.numel() >= _BF16_IN_FP32_MIN_ROWS * x.shape[-1]):
             y = bf16_linear_in_fp32_slabs(x, layer.weight, bias)
         else:
