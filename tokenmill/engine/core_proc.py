@@ -34,7 +34,6 @@ OUTPUTS, STEP_FAILED, RESULT, READY, FATAL = b"O", b"E", b"R", b"Y", b"F"
 
 _IDLE_POLL_MS = 1000  # an idle core wakes this often (the parent's death wakes it at once)
 _CALLABLE = {"kv_block_states", "stats"}  # what the front end may call by name
-_FRONT_END_GONE = "front end gone"
 
 
 class CoreReady(msgspec.Struct):
@@ -99,7 +98,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rep
     started.set()  # from here the busy loop watches the parent
     out.send_multipart([READY, encoder.encode(CoreReady(core.max_model_len, core.kv.num_blocks))])
     try:
-        if _busy_loop(core, inp, out, encoder, watch_parent) == _FRONT_END_GONE:
+        if _busy_loop(core, inp, out, encoder, watch_parent):  # the front end is gone
             _remove_front_end_sockets(input_addr, output_addr)
     except BaseException as e:  # noqa: BLE001
         logger.exception("engine core died")
@@ -148,8 +147,8 @@ def _exit_with_parent(started: threading.Event, input_addr: str, output_addr: st
 
 
 def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.Encoder,
-               watch_parent: bool) -> str | None:
-    """Steps until told to stop (returns None) or the front end is gone (returns _FRONT_END_GONE)."""
+               watch_parent: bool) -> bool:
+    """Steps until told to stop (returns False) or the front end is gone (returns True)."""
     parent = multiprocessing.parent_process() if watch_parent else None
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
@@ -165,7 +164,7 @@ def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.
         events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
         if parent is not None and (parent.sentinel in events or os.getppid() != ppid):
             logger.error("the front end is gone; engine core exits")
-            return _FRONT_END_GONE
+            return True
         changed = False
         while inp in events or (changed and inp.poll(0)):
             events = {}
@@ -184,7 +183,7 @@ def _busy_loop(core, inp: zmq.Socket, out: zmq.Socket, encoder: msgspec.msgpack.
                 value = getattr(core, call.method)() if call.method in _CALLABLE else None
                 out.send_multipart([RESULT, encoder.encode(CoreResult(call.call_id, value))])
             elif kind == STOP:
-                return None
+                return False
         if core.has_unfinished():
             try:
                 outputs = core.step()
