@@ -196,6 +196,7 @@ def test_raw_sse_framing(server):
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "priority": 1}, "priority"),  # this server schedules fcfs
     ({"prompt": "x", "priority": "high"}, "priority"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),  # SmolLM2 has no fill-in-the-middle tokens
 ])
 def test_invalid_completion_requests_are_400(server, body, param):
     r = post(server, "/v1/completions", body)

@@ -175,7 +175,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Int | None = Field(None, ge=0, json_schema_extra={LOGPROBS: True})
     best_of: Int | None = Field(None, ge=1, description="Only equal to n (no server-side ranking).")
-    suffix: str | None = Field(None, max_length=0, description="Not supported: empty or null.")
+    suffix: str | None = Field(None, description="Fill in the middle: the text after the completion; the prompt is "
+                                                 "the text before it. Needs a model with FIM tokens (400 otherwise); "
+                                                 "not with echo.")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -1,8 +1,10 @@
 """POST /v1/completions: prompts as text or token ids, n samples each, legacy logprobs, echo with
-prompt logprobs (what lm-evaluation-harness's loglikelihood requests need), SSE streaming."""
+prompt logprobs (what lm-evaluation-harness's loglikelihood requests need), SSE streaming, and
+fill-in-the-middle with `suffix` for models that have FIM tokens (code models)."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -10,6 +12,7 @@ from tokenmill.entrypoints.openai.logprobs import CompletionLogprobs
 from tokenmill.entrypoints.openai.protocol import CompletionRequest
 from tokenmill.entrypoints.openai.serving_base import ServingBase, Usage, check_choices
 from tokenmill.errors import InvalidRequestError
+from tokenmill.model.special_tokens import FimTokens, find_fim_tokens
 from tokenmill.outputs import CompletionOutput, RequestOutput
 
 
@@ -33,6 +36,8 @@ class CompletionServing(ServingBase):
 
     async def create(self, req: CompletionRequest, t0: float) -> dict | AsyncIterator[bytes]:
         prompts, params, echo_only = self.prepare(req)
+        if req.suffix:
+            prompts = await self._fill_in_the_middle(req, prompts)
         request_id = self.new_id()
         # submit every prompt now, so that bad input fails before a stream starts
         streams = await self.submit(request_id, prompts, params, priority=req.priority)
@@ -54,6 +59,32 @@ class CompletionServing(ServingBase):
         self.access_log(request_id, "/v1/completions", 200, usage, t0, first_token)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": usage.to_dict()}
+
+    @functools.cached_property
+    def _fim(self) -> tuple[FimTokens | None, list[int]]:
+        """The model's FIM tokens, and what its tokenizer puts before a text (a BOS, or nothing)."""
+        fim = find_fim_tokens(self.engine.tokenizer.get_vocab())
+        with_special, plain = self.engine.tokenize("a", True), self.engine.tokenize("a", False)
+        head = with_special[:len(with_special) - len(plain)] if with_special[-len(plain):] == plain else []
+        return fim, head
+
+    async def _fill_in_the_middle(self, req: CompletionRequest, prompts: list) -> list[list[int]]:
+        """Each prompt as the text before a gap and `suffix` as the text after it (prefix-suffix-middle,
+        as llama.cpp's /infill): the completion is what the model writes into the gap."""
+        fim, head = self._fim
+        if fim is None:
+            raise InvalidRequestError("suffix (fill-in-the-middle) needs a model with FIM tokens such as "
+                                      "<|fim_prefix|>, <|fim_suffix|> and <|fim_middle|>; this one has none",
+                                      param="suffix")
+        if req.echo:
+            raise InvalidRequestError("echo cannot be combined with suffix", param="echo")
+
+        async def ids(text: str) -> list[int]:
+            offloaded = await self.tokenize(text, False)  # None: short enough to tokenize here
+            return offloaded if offloaded is not None else self.engine.tokenize(text, False)
+
+        after = await ids(req.suffix)
+        return [head + fim.prompt(await ids(p) if isinstance(p, str) else p, after) for p in prompts]
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.engine.detokenize(out.prompt_token_ids)

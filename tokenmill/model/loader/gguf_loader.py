@@ -10,6 +10,7 @@ read tensors straight from the index.
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import numpy as np
 from tokenmill.errors import ConfigError
 from tokenmill.model.loader.cache import cache_dir, cache_root, file_sha256, publish_dir, remove_stale
 from tokenmill.model.model_config import ModelConfig
+from tokenmill.model.special_tokens import end_of_generation_ids
 
 if TYPE_CHECKING:  # torch only where weights are read: the front end reads metadata without it
     import torch
@@ -44,8 +46,12 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return mapped and f"{mapped}.{parts[1]}"
 
 
+# the cache folder's version: a config read differently takes a new folder (the old one is removed)
+_LAYOUT = 2  # 2: every end-of-generation token in the config's eos_token_id
+
+
 def _cache_dir(path: Path) -> Path:
-    return cache_root() / "gguf" / file_sha256(path)[:24]
+    return cache_root() / "gguf" / f"{file_sha256(path)[:24]}.{_LAYOUT}"
 
 
 def _field(reader, key: str, default=None):
@@ -68,8 +74,12 @@ def _model_config(reader, tensors: dict[str, dict], name: str) -> ModelConfig:
     if kind in ("linear", "yarn"):
         scaling = {"rope_type": kind, "factor": p("rope.scaling.factor"),
                    "original_max_position_embeddings": p("rope.scaling.original_context_length")}
-    eos = [t for t in (_field(reader, "tokenizer.ggml.eos_token_id"),
-                       _field(reader, "tokenizer.ggml.eot_token_id")) if t is not None]
+    # every token that ends generation, as llama.cpp counts them: the file names its EOS (and maybe
+    # EOT, EOM and FIM separators); the rest are found by their text
+    named = [_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom", "fim_pad", "fim_rep",
+                                                                      "fim_sep")]
+    tokens = _field(reader, "tokenizer.ggml.tokens", [])
+    eos = {t for t in named if t is not None} | end_of_generation_ids(enumerate(tokens))
     return ModelConfig(
         architecture=ARCHITECTURES[arch],
         vocab_size=tensors["token_embd.weight"]["shape"][0],
@@ -127,6 +137,9 @@ def _build_cache(path: Path, target: Path) -> None:
     (tmp / "config.json").write_text(json.dumps(cfg.to_dict()))
     (tmp / "tensors.json").write_text(json.dumps(tensors))
     publish_dir(tmp, target)
+    for old in target.parent.glob(f"{target.name.split('.')[0]}*"):
+        if old != target and not old.name.startswith("."):
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def is_prepared(path: Path) -> bool:

@@ -15,7 +15,16 @@ if TYPE_CHECKING:  # torch only where weights are read: the front end reads meta
 
 
 def load_config(path: Path) -> ModelConfig:
-    return ModelConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()), name=path.name)
+    # generation_config.json's EOS list is what generate() stops on (as vLLM does): an instruct
+    # model's config.json often names only its end of turn
+    try:
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        eos = None
+    eos = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+    cfg.eos_token_id = sorted(set(cfg.eos_token_id) | {t for t in eos if isinstance(t, int)})
+    return cfg
 
 
 class LazyTensor:
