@@ -230,6 +230,18 @@ def test_draft_with_another_vocabulary_is_refused():
             kv_cache_memory="64MiB", max_model_len=256)
 
 
+def test_draft_with_no_end_of_text_in_common_is_refused(tiny_llama_dir, tmp_path):
+    """Same vocabulary size, but none of SmolLM2's end-of-text tokens: another tokenizer."""
+    for f in tiny_llama_dir.iterdir():
+        if f.name not in ("config.json", "generation_config.json"):
+            (tmp_path / f.name).symlink_to(f)
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eos_token_id": 99}))
+    spec = json.dumps({"model": str(tmp_path), "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(speculative_config=spec, progress=False, kv_cache_memory="64MiB", max_model_len=256)
+
+
 def test_seeded_sampling_with_speculation_is_reproducible_in_any_batch(smol_path):
     llm = LLM(dtype="float32", quantization="none", speculative_config=NGRAM, progress=False, **BASE)
     prompt = "one two three one two three one two three one two"

@@ -152,7 +152,9 @@ class Worker:
         source = resolve_model(spec.draft_model)
         cfg = load_model_config(source)
         target = self.model_config
-        if cfg.vocab_size != target.vocab_size or cfg.eos_token_id != target.eos_token_id:
+        # the same tokenizer, as far as configs tell: the end-of-text sets may differ in how they were
+        # found (a GGUF's by text, a folder's from generation_config.json), not in sharing none
+        if cfg.vocab_size != target.vocab_size or not set(cfg.eos_token_id) & set(target.eos_token_id):
             raise ConfigError(f"draft model {source.name} has another vocabulary ({cfg.vocab_size} tokens, EOS "
                               f"{cfg.eos_token_id}) than {self.source.name} ({target.vocab_size} tokens, EOS "
                               f"{target.eos_token_id}): a draft must share the target's tokenizer",
