@@ -106,11 +106,24 @@ def _unreadable(path: Path, why: str) -> ConfigError:
                        "copy or reinstall it again")
 
 
-def _read_tensors(path: Path):
+def _header_reader(path: Path):
     import gguf
 
+    class HeaderReader(gguf.GGUFReader):
+        """Parses over a plain ndarray view of its memory map: slicing a numpy memmap costs ~3x a plain
+        array's, and a 150k-token vocabulary with its merges is ~1.5 M slices (Qwen2.5-Coder: 9-11 s
+        -> 3 s on a Zen 3). The same bytes, the same fields."""
+
+        def _build_fields(self, *args, **kwargs):
+            self.data = self.data.view(np.ndarray)
+            return super()._build_fields(*args, **kwargs)
+
+    return HeaderReader(str(path))
+
+
+def _read_tensors(path: Path):
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = _header_reader(path)
         tensors = {}
         for t in reader.tensors:
             tensors[t.name] = {"type": int(t.tensor_type), "offset": int(t.data_offset),
