@@ -132,3 +132,27 @@ def test_a_bf16_model_is_measured_with_fp32_activations(tmp_path, monkeypatch):
     del llm
     monkeypatch.setattr(act_bits, "_Trial", None)  # measuring again would fail
     assert _bits_by_kind(LLM(dtype="float32", **kw)) == bits
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,tokens", [(9, 3, 64, 200), (12, 2, 128, 77)])
+def test_calibration_attention_is_causal_attention(heads, kv_heads, dim, tokens):
+    """The calibration's stand-in attention takes the C++ prompt kernel where the engine's fp32 prompts do
+    (calibration.py): the same causal attention as torch's SDPA, within fp32 rounding."""
+    import torch.nn.functional as F
+
+    from tokenmill.model.attention.backend import get_attention_backend
+    from tokenmill.model.attention.cpu_paged import PREFILL_KERNEL_ISAS
+    from tokenmill.model.layers.quantization.calibration import _CausalAttention
+    from tokenmill.utils.cpu import active_isa
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(tokens, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    backend = get_attention_backend("auto", 16, torch.device("cpu"), dim)
+    attn = _CausalAttention(backend)
+    assert attn.kernel == (backend.name == "cpu_paged" and active_isa() in PREFILL_KERNEL_ISAS)
+    out = attn.forward(q, k, v, None, None, dim ** -0.5)
+    rep = heads // kv_heads
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1),
+                                         v.repeat_interleave(rep, 1).transpose(0, 1), is_causal=True,
+                                         scale=dim ** -0.5).transpose(0, 1).reshape(tokens, -1)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

@@ -43,6 +43,36 @@ def test_gguf_tokenizer_is_what_auto_tokenizer_loads(source):
         auto.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
 
 
+@pytest.mark.parametrize("source", gguf_sources())
+def test_gguf_conversion_writes_what_transformers_alone_writes(source, tmp_path, monkeypatch):
+    """tokenizer_dir converts with gguf's reader swapped for the fast one (gguf_loader.py) and converts
+    once when asked twice at once: the files must be those of transformers' own conversion."""
+    import filecmp
+    import threading
+
+    from tokenmill.model.loader import hf_import
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    real = hf_import.load_auto_tokenizer
+    monkeypatch.setattr(hf_import, "load_auto_tokenizer", lambda *a, **k: calls.append(a) or real(*a, **k))
+    dirs = []
+    threads = [threading.Thread(target=lambda: dirs.append(gguf_loader.tokenizer_dir(source.path))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(dirs) == 2 and dirs[0] == dirs[1]
+    plain = tmp_path / "plain"
+    AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name).save_pretrained(str(plain))
+    names = sorted(p.name for p in plain.iterdir())
+    assert names == sorted(p.name for p in dirs[0].iterdir())
+    assert all(filecmp.cmp(plain / n, dirs[0] / n, shallow=False) for n in names)
+    import gguf
+
+    assert gguf.GGUFReader.__name__ == "GGUFReader", "the fast reader was left in gguf's module"
+
+
 @pytest.mark.slow
 def test_server_front_end_runs_without_torch():
     srv = ServerProcess().wait_ready()

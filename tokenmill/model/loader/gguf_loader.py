@@ -9,9 +9,12 @@ read tensors straight from the index.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -106,7 +109,11 @@ def _unreadable(path: Path, why: str) -> ConfigError:
                        "copy or reinstall it again")
 
 
-def _header_reader(path: Path):
+_conversion_lock = threading.Lock()
+
+
+@functools.cache
+def _header_reader_class():
     import gguf
 
     class HeaderReader(gguf.GGUFReader):
@@ -118,7 +125,27 @@ def _header_reader(path: Path):
             self.data = self.data.view(np.ndarray)
             return super()._build_fields(*args, **kwargs)
 
-    return HeaderReader(str(path))
+    return HeaderReader
+
+
+def _header_reader(path: Path):
+    return _header_reader_class()(str(path))
+
+
+@contextlib.contextmanager
+def _fast_reader_in_transformers():
+    """transformers finds a llama or qwen2 GGUF's tokenizer class from a config it builds with
+    `gguf.GGUFReader` (imported by name at each call): the same slow parse as ours was, ~2/3 of a
+    first tokenizer conversion. It gets the fast reader for the conversion (any other caller meanwhile
+    gets the same fields; _conversion_lock keeps conversions apart)."""
+    import gguf
+
+    slow = gguf.GGUFReader
+    gguf.GGUFReader = _header_reader_class()
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = slow
 
 
 def _read_tensors(path: Path):
@@ -176,15 +203,19 @@ def load_config(path: Path) -> ModelConfig:
 def tokenizer_dir(path: Path) -> Path:
     """The tokenizer transformers converts from the file, cached apart from the config and tensor
     index: the conversion (seconds of CPU) then runs beside a cold start's weight loading, not
-    before it."""
+    before it. A cold start asks twice at once (the engine's tokenizer, the worker's calibration
+    text): the second waits for the first's conversion."""
     target = prepare(path) / "tokenizer"
-    if not target.is_dir():
-        from tokenmill.model.loader.hf_import import load_auto_tokenizer
+    with _conversion_lock:
+        if not target.is_dir():
+            from tokenmill.model.loader.hf_import import load_auto_tokenizer
 
-        remove_stale(target.parent, ".build-*")
-        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
-        load_auto_tokenizer(str(path.parent), gguf_file=path.name).save_pretrained(str(tmp))
-        publish_dir(tmp, target)
+            remove_stale(target.parent, ".build-*")
+            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+            with _fast_reader_in_transformers():
+                tokenizer = load_auto_tokenizer(str(path.parent), gguf_file=path.name)
+            tokenizer.save_pretrained(str(tmp))
+            publish_dir(tmp, target)
     return target
 
 

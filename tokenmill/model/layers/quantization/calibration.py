@@ -29,10 +29,24 @@ def calibration_text() -> str:
 
 
 class _CausalAttention:
-    """Stands in for the attention backend during calibration: one sequence, no cache."""
+    """Stands in for the attention backend during calibration: one sequence, no cache. In fp32 where the
+    engine's prompts use the C++ prompt kernel (AVX2), that kernel: torch's SDPA takes its math path
+    on a CPU (a score matrix, a mask, softmax), a third of a SmolLM2 pass over 512 tokens."""
+
+    def __init__(self, backend) -> None:
+        from tokenmill.model.attention.cpu_paged import PREFILL_KERNEL_ISAS
+        from tokenmill.utils.cpu import active_isa
+
+        self.kernel = getattr(backend, "name", None) == "cpu_paged" and active_isa() in PREFILL_KERNEL_ISAS
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         t, h, _ = q.shape
+        if self.kernel and q.dtype == torch.float32:
+            out = torch.empty_like(q)
+            kc, vc = (x.contiguous().unsqueeze(0) for x in (k, v))  # one block of t positions
+            if torch.ops.tokenmill.prefill_attention(out, q.contiguous(), kc, vc, torch.zeros(1, dtype=torch.long),
+                                                     t, scale):
+                return out.view(t, -1)
         rep = h // k.shape[1]
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
@@ -53,7 +67,7 @@ def causal_pass(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     backends = {m: m.backend for m in attn}
     try:
         for m in attn:
-            m.backend = _CausalAttention()
+            m.backend = _CausalAttention(backends[m])
         with torch.inference_mode():
             return model(torch.tensor(ids), torch.arange(len(ids)), None)
     finally:
