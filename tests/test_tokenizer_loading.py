@@ -43,26 +43,48 @@ def test_gguf_tokenizer_is_what_auto_tokenizer_loads(source):
         auto.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
 
 
+_CONVERT_IN_A_CHILD = """
+import sys
+from pathlib import Path
+from tokenmill.model.loader import gguf_loader, hf_import
+real = hf_import.load_auto_tokenizer
+def counted(*a, **k):
+    open(sys.argv[2], "a").write("child\\n")
+    return real(*a, **k)
+hf_import.load_auto_tokenizer = counted
+print(gguf_loader.tokenizer_dir(Path(sys.argv[1])))
+"""
+
+
 @pytest.mark.parametrize("source", gguf_sources())
 def test_gguf_conversion_writes_what_transformers_alone_writes(source, tmp_path, monkeypatch):
-    """tokenizer_dir converts with gguf's reader swapped for the fast one (gguf_loader.py) and converts
-    once when asked twice at once: the files must be those of transformers' own conversion."""
+    """tokenizer_dir converts with gguf's reader swapped for the fast one (gguf_loader.py), and once when
+    two threads and another process ask at the same time (a server's front end and engine core): the
+    files must be those of transformers' own conversion."""
     import filecmp
+    import subprocess
+    import sys
     import threading
 
     from tokenmill.model.loader import hf_import
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
-    calls = []
+    gguf_loader.prepare(source.path)
+    count = tmp_path / "conversions"
     real = hf_import.load_auto_tokenizer
-    monkeypatch.setattr(hf_import, "load_auto_tokenizer", lambda *a, **k: calls.append(a) or real(*a, **k))
+    monkeypatch.setattr(hf_import, "load_auto_tokenizer",
+                        lambda *a, **k: count.open("a").write("here\n") and real(*a, **k))
+    child = subprocess.Popen([sys.executable, "-c", _CONVERT_IN_A_CHILD, str(source.path), str(count)],
+                             stdout=subprocess.PIPE, text=True)
     dirs = []
     threads = [threading.Thread(target=lambda: dirs.append(gguf_loader.tokenizer_dir(source.path))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(calls) == 1 and len(dirs) == 2 and dirs[0] == dirs[1]
+    out, _ = child.communicate(timeout=300)
+    assert child.returncode == 0 and out.strip() == str(dirs[0])
+    assert len(count.read_text().splitlines()) == 1 and len(dirs) == 2 and dirs[0] == dirs[1]
     plain = tmp_path / "plain"
     AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name).save_pretrained(str(plain))
     names = sorted(p.name for p in plain.iterdir())

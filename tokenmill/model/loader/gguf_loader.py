@@ -10,11 +10,11 @@ read tensors straight from the index.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import json
 import shutil
 import tempfile
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -109,9 +109,6 @@ def _unreadable(path: Path, why: str) -> ConfigError:
                        "copy or reinstall it again")
 
 
-_conversion_lock = threading.Lock()
-
-
 @functools.cache
 def _header_reader_class():
     import gguf
@@ -137,7 +134,7 @@ def _fast_reader_in_transformers():
     """transformers finds a llama or qwen2 GGUF's tokenizer class from a config it builds with
     `gguf.GGUFReader` (imported by name at each call): the same slow parse as ours was, ~2/3 of a
     first tokenizer conversion. It gets the fast reader for the conversion (any other caller meanwhile
-    gets the same fields; _conversion_lock keeps conversions apart)."""
+    gets the same fields; tokenizer_dir's lock keeps conversions apart)."""
     import gguf
 
     slow = gguf.GGUFReader
@@ -203,10 +200,14 @@ def load_config(path: Path) -> ModelConfig:
 def tokenizer_dir(path: Path) -> Path:
     """The tokenizer transformers converts from the file, cached apart from the config and tensor
     index: the conversion (seconds of CPU) then runs beside a cold start's weight loading, not
-    before it. A cold start asks twice at once (the engine's tokenizer, the worker's calibration
-    text): the second waits for the first's conversion."""
+    before it. A cold start asks for it twice at once (the front end's tokenizer and the calibration
+    text of the engine core, maybe in another process): one converts under a file lock (dropped if
+    its holder dies), the other waits and reads the result."""
     target = prepare(path) / "tokenizer"
-    with _conversion_lock:
+    if target.is_dir():
+        return target
+    with open(target.parent / ".tokenizer.lock", "a") as lock:  # each open its own lock, so threads wait too
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if not target.is_dir():
             from tokenmill.model.loader.hf_import import load_auto_tokenizer
 
