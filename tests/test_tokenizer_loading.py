@@ -95,6 +95,22 @@ def test_gguf_conversion_writes_what_transformers_alone_writes(source, tmp_path,
     assert gguf.GGUFReader.__name__ == "GGUFReader", "the fast reader was left in gguf's module"
 
 
+def test_gguf_without_a_tokenizer_is_a_clear_error(tmp_path, monkeypatch):
+    """A GGUF whose header has no vocabulary (tests/tiny_gguf.py writes none): a ConfigError that names
+    --tokenizer, not transformers' KeyError, and nothing half-built left in the cache."""
+    from tests.tiny_gguf import write_tiny_kquant_gguf
+    from tokenmill.errors import ConfigError
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "no-vocabulary.gguf"
+    write_tiny_kquant_gguf(path)
+    with pytest.raises(ConfigError, match="--tokenizer") as e:
+        gguf_loader.tokenizer_dir(path)
+    assert e.value.param == "tokenizer"
+    folder = gguf_loader.prepare(path)
+    assert not (folder / "tokenizer").exists() and not list(folder.glob(".build-*"))
+
+
 @pytest.mark.slow
 def test_server_front_end_runs_without_torch():
     srv = ServerProcess().wait_ready()
