@@ -214,15 +214,18 @@ def tokenizer_dir(path: Path) -> Path:
             remove_stale(target.parent, ".build-*")
             tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
             try:
-                with _fast_reader_in_transformers():
-                    tokenizer = load_auto_tokenizer(str(path.parent), gguf_file=path.name)
-            except Exception as e:  # transformers raises KeyError, ValueError... on what it cannot convert
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise ConfigError(f"transformers could not build a tokenizer from {path.name} ({type(e).__name__}: "
-                                  f"{e}): it may have no tokenizer metadata; pass --tokenizer with a folder holding "
-                                  "the model's tokenizer", param="tokenizer") from e
-            tokenizer.save_pretrained(str(tmp))
-            publish_dir(tmp, target)
+                try:
+                    with _fast_reader_in_transformers():
+                        tokenizer = load_auto_tokenizer(str(path.parent), gguf_file=path.name)
+                except Exception as e:  # transformers raises KeyError, ValueError... on what it cannot convert
+                    raise ConfigError(f"transformers could not build a tokenizer from {path.name} "
+                                      f"({type(e).__name__}: {e}): it may have no tokenizer metadata; pass "
+                                      "--tokenizer with a folder holding the model's tokenizer",
+                                      param="tokenizer") from e
+                tokenizer.save_pretrained(str(tmp))
+                publish_dir(tmp, target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing left once published (moved)
     return target
 
 
