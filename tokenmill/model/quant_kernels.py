@@ -25,12 +25,15 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 # two libraries: the weight kernels, and the KV-cache ones, which are built only when a quantized
 # KV cache asks for them (a cold start builds what it uses)
-LIBRARIES = {"quant": ([_CSRC / "quant_gemm.cpp", _CSRC / "quant_gemm_rows.cpp", _CSRC / "quant_gemm_sb.cpp",
-                        _CSRC / "quant_gemm_x8.cpp", _CSRC / "quant_gemm_x8sb.cpp"], "tokenmill_q"),
+# (one translation unit per source, compiled in parallel: the few-row AVX2 kernel's instances are split by
+# weight type over quant_gemm_x8_*.cpp)
+LIBRARIES = {"quant": ([_CSRC / f"{name}.cpp" for name in ("quant_gemm", "quant_gemm_rows", "quant_gemm_sb",
+                                                            "quant_gemm_x8", "quant_gemm_x8_k", "quant_gemm_x8_legacy",
+                                                            "quant_gemm_x8_own", "quant_gemm_x8sb")], "tokenmill_q"),
              "quant_kv": ([_CSRC / "quant_kv.cpp"], "tokenmill_qkv")}
 SOURCES = [src for sources, _ in LIBRARIES.values() for src in sources]
-HEADERS = (_CSRC / "quant_blocks.h", _CSRC / "quant_x8.h", _CSRC / "quant_act.h", _CSRC / "quant_act_chunk.h",
-           _CSRC / "quant_dequant.h", _CSRC / "quant_ymm.h", _CSRC / "quant_zmm.h",
+HEADERS = (_CSRC / "quant_blocks.h", _CSRC / "quant_x8.h", _CSRC / "quant_x8_dot.h", _CSRC / "quant_act.h",
+           _CSRC / "quant_act_chunk.h", _CSRC / "quant_dequant.h", _CSRC / "quant_ymm.h", _CSRC / "quant_zmm.h",
            _CSRC / "quant_pairs.h", _CSRC / "quant_prefetch.h", _CSRC / "bf16_zmm.h")
 # variant -> compiler flags; the ISA level each variant needs
 VARIANT_FLAGS = {

@@ -271,6 +271,10 @@ bool dispatch_qtype(int qtype, Fn&& f) {
 // m, for m < mr <= 8.
 bool group_dot_rows(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, bool fine, float out[][8],
                     StreamPrefetch* pf = nullptr);
+// The same for one weight type (quant_x8_dot.h; instantiated in quant_gemm_x8_*.cpp).
+template <int QT>
+bool group_dot_rows_qt(const uint8_t* group, int64_t K, const ActRow* a, int mr, bool fine, float out[][8],
+                       StreamPrefetch* pf);
 // The same for Q4_K and Q5_K against 8-bit codes with pow2 scales (quant_gemm_x8sb.cpp): the
 // sub-block scales in integers; false for other types, or without AVX2.
 bool group_dot_rows_sb(int qtype, const uint8_t* group, int64_t K, const ActRow* a, int mr, float out[][8],
