@@ -3,7 +3,7 @@ decode attention, fp32 prompt attention, RMSNorm (+ residual), SiLU-and-mul, rot
 fused decode layers, a greedy row argmax and a draft model's passes (sources in csrc/).
 
 Compiled once per machine with torch's cpp_extension (one translation unit including every
-source, with torch's lighter headers: ~11 s of one core; concurrent processes wait for one
+source, with torch's lighter headers: ~25 s of one Zen 3 core; concurrent processes wait for one
 builder under a file lock), cached under the tokenmill cache keyed by the sources, torch
 version and CPU features, and linked to torch's own OpenMP runtime so the kernels share torch's
 intra-op threads. Returns False (callers fall back to portable code) when
@@ -160,7 +160,7 @@ def build_library(name: str, sources: list[Path], cflags: list[str], headers: tu
 def _build(root: Path, library: Path, name: str, sources: list[Path], cflags: list[str], unity: bool) -> None:
     """Compile in a private folder, in a child process (`kernel_build.py`) that takes its compiler
     down with it if this process dies, even by SIGKILL; then move the library into place atomically."""
-    logger.info("building %s (once per machine, ~10-20 s)", name)
+    logger.info("building %s (once per machine, ~20-40 s)", name)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix="build-"))
     try:
         job = dict(name=name, sources=[str(p) for p in sources], build_directory=str(tmp), cflags=cflags,

@@ -53,8 +53,8 @@ def rss_bytes() -> int:
 class Worker:
     @staticmethod
     def prefetch(config: EngineConfig, load: bool = True) -> None:
-        """Start now what is slow and does not need the model: the C++ kernels' builds (10-15 s of
-        one core each on a cold machine), which then overlap each other and reading the GGUF, the
+        """Start now what is slow and does not need the model: the C++ kernels' builds (25-35 s
+        each on a cold 2-core machine), which then overlap each other and reading the GGUF, the
         weights and the tokenizer. The quantized weight kernels are built unless nothing can use
         them (a model that turns out not to be quantized wastes one build, once per machine); the
         quantized KV cache's only for such a cache. `load=False`: build only, for the engine core
