@@ -7,7 +7,7 @@
 // and each chunk of 8 rows x 32 weights is integer dot products (VNNI vpdpbusd, or vpmaddubsw +
 // vpmaddwd) whose lanes are output rows, so the weights are read once per call, as packed as they
 // are stored, with no horizontal sums. Each decoded chunk serves several activation rows: up to 8
-// (4 with 16-bit codes) in quant_gemm_x8.cpp (AVX2, scalar; quant_gemm_x8sb.cpp for Q4_K and Q5_K
+// (4 with 16-bit codes) in quant_x8_dot.h (AVX2, scalar; quant_gemm_x8sb.cpp for Q4_K and Q5_K
 // with 8-bit codes), up to 8 with 16 output rows per zmm with AVX-512 (quant_pairs.h:
 // quant_gemm_rows.cpp, or quant_gemm_sb.cpp for K-quants with 8-bit codes).
 // Many rows (prefill, big batches): the same packed kernel, with activation rows blocked to fit

@@ -1,4 +1,4 @@
-// The AVX2 super-block kernel: group_dot (quant_gemm_x8.cpp) for Q4_K and Q5_K weights against 8-bit
+// The AVX2 super-block kernel: group_dot (quant_x8_dot.h) for Q4_K and Q5_K weights against 8-bit
 // activation codes whose chunk scales are a super-block unit times 2^up (quant_act.h), as
 // quant_gemm_sb.cpp does with AVX-512. A chunk's 16-bit sums meet its 6-bit sub-block scales in the
 // vpmaddwd that widens them, then 2^up in a shift, and the floats come in once per super-block: the
@@ -63,7 +63,7 @@ void group_dot_sb(const uint8_t* group, int64_t K, const ActRow* a, float out[][
             std::memcpy(&xg, a[m].q + c * 32 + 4 * j, 4);
             const __m256i t = _mm256_maddubs_epi16(w, _mm256_set1_epi32(xg));
             s16[m] = j == j0 ? t : _mm256_add_epi16(s16[m], t);
-            __asm__("" : "+x"(s16[m]));  // a chain, not a tree of all products (quant_gemm_x8.cpp)
+            __asm__("" : "+x"(s16[m]));  // a chain, not a tree of all products (quant_x8_dot.h)
           });
         });
         static_for<MR>([&](auto mc) TM_INLINE {

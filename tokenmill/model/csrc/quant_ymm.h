@@ -1,4 +1,4 @@
-// AVX2 pieces of the x8 layout (quant_x8.h) that the 8-lane kernels share (quant_gemm_x8.cpp, and
+// AVX2 pieces of the x8 layout (quant_x8.h) that the 8-lane kernels share (quant_x8_dot.h, and
 // dequantization in quant_dequant.h): a chunk body decoded into 8 ymm of bytes (lane = row) and its
 // per-row scales as float vectors.
 #pragma once
