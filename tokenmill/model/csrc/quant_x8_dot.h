@@ -186,3 +186,8 @@ bool group_dot_rows_qt(const uint8_t* group, int64_t K, const ActRow* a, int mr,
 }
 
 }  // namespace TM_QUANT_NS
+
+// One type's instances, in the translation unit that names it.
+#define TM_X8_INSTANCES(QT)                                                                                \
+  template bool TM_QUANT_NS::group_dot_rows_qt<TM_QUANT_NS::QT>(const uint8_t*, int64_t, const ActRow*, int, \
+                                                                bool, float[][8], StreamPrefetch*);
