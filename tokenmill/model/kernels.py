@@ -12,7 +12,6 @@ no compiler is available or the build fails.
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import hashlib
 import json
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.model.loader.cache import cache_root
+from tokenmill.model.loader.cache import build_once, cache_root
 from tokenmill.utils.cpu import active_isa
 
 logger = logging.getLogger(__name__)
@@ -145,15 +144,13 @@ def build_library(name: str, sources: list[Path], cflags: list[str], headers: tu
         compiler = os.environ.get("CXX", "c++")
         if shutil.which(compiler) is None:
             raise CompilerNotFound(f"no C++ compiler: {compiler!r} is not on PATH; install g++ or set CXX")
-        root.mkdir(parents=True, exist_ok=True)
-        with open(root / ".lock", "w") as lock:
-            # one process builds; the others wait, then load its result. The kernel drops the lock
-            # when its holder dies (even by SIGKILL), so a dead builder never blocks a restart.
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not library.is_file():
-                for leftover in root.glob("build-*"):  # a builder killed mid-build (we hold the lock)
-                    shutil.rmtree(leftover, ignore_errors=True)
-                _build(root, library, name, sources, cflags, unity)
+
+        def build() -> None:
+            for leftover in root.glob("build-*"):  # a builder killed mid-build (we hold the lock)
+                shutil.rmtree(leftover, ignore_errors=True)
+            _build(root, library, name, sources, cflags, unity)
+
+        build_once(root / ".lock", library.is_file, build)  # one process builds; the others load its result
     return library
 
 

@@ -3,12 +3,14 @@ model files), keyed by the source file's sha256."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenmill.errors import ConfigError
@@ -112,6 +114,20 @@ def atomic_write_text(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def build_once(lock_path: Path, done: Callable[[], bool], build: Callable[[], None]) -> None:
+    """Run `build` unless `done()`, once across threads and processes: under an exclusive file lock,
+    `done` asked again once it is held. Each call opens the lock file anew, so threads of one process
+    wait on each other too; the kernel drops the lock when its holder dies (even by SIGKILL), so a
+    dead builder never blocks the next."""
+    if done():
+        return
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done():
+            build()
 
 
 def publish_dir(tmp_dir: Path, final: Path) -> None:

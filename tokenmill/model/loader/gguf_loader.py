@@ -10,7 +10,6 @@ read tensors straight from the index.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import json
 import shutil
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tokenmill.errors import ConfigError
-from tokenmill.model.loader.cache import cache_dir, cache_root, file_sha256, publish_dir, remove_stale
+from tokenmill.model.loader.cache import build_once, cache_dir, cache_root, file_sha256, publish_dir, remove_stale
 from tokenmill.model.model_config import ModelConfig
 from tokenmill.model.special_tokens import end_of_generation_ids
 
@@ -204,29 +203,28 @@ def tokenizer_dir(path: Path) -> Path:
     text of the engine core, maybe in another process): one converts under a file lock (dropped if
     its holder dies), the other waits and reads the result."""
     target = prepare(path) / "tokenizer"
-    if target.is_dir():
-        return target
-    with open(target.parent / ".tokenizer.lock", "a") as lock:  # each open its own lock, so threads wait too
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.is_dir():
-            from tokenmill.model.loader.hf_import import load_auto_tokenizer
-
-            remove_stale(target.parent, ".build-*")
-            tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
-            try:
-                try:
-                    with _fast_reader_in_transformers():
-                        tokenizer = load_auto_tokenizer(str(path.parent), gguf_file=path.name)
-                except Exception as e:  # transformers raises KeyError, ValueError... on what it cannot convert
-                    raise ConfigError(f"transformers could not build a tokenizer from {path.name} "
-                                      f"({type(e).__name__}: {e}): it may have no tokenizer metadata; pass "
-                                      "--tokenizer with a folder holding the model's tokenizer",
-                                      param="tokenizer") from e
-                tokenizer.save_pretrained(str(tmp))
-                publish_dir(tmp, target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)  # nothing left once published (moved)
+    build_once(target.parent / ".tokenizer.lock", target.is_dir, lambda: _convert_tokenizer(path, target))
     return target
+
+
+def _convert_tokenizer(path: Path, target: Path) -> None:
+    from tokenmill.model.loader.hf_import import load_auto_tokenizer
+
+    remove_stale(target.parent, ".build-*")
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
+    try:
+        try:
+            with _fast_reader_in_transformers():
+                tokenizer = load_auto_tokenizer(str(path.parent), gguf_file=path.name)
+        except Exception as e:  # transformers raises KeyError, ValueError... on what it cannot convert
+            raise ConfigError(f"transformers could not build a tokenizer from {path.name} "
+                              f"({type(e).__name__}: {e}): it may have no tokenizer metadata; pass "
+                              "--tokenizer with a folder holding the model's tokenizer",
+                              param="tokenizer") from e
+        tokenizer.save_pretrained(str(tmp))
+        publish_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing left once published (moved)
 
 
 def _undo_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
