@@ -38,13 +38,25 @@ def test_stop_string_spanning_tokens_is_held_back_then_cut(tok):
     detok = IncrementalDetokenizer(tok.backend_tokenizer, [1], SamplingParams(stop=["y-tw"]))
     streamed, stop = "", None
     for t in ids:
-        stop = detok.update([t])
+        stop, _ = detok.update([t])
         streamed += detok.delta(stop is not None)
         if stop:
             break
     assert stop == "y-tw"
     assert streamed == "The answer is fort"
     assert "y-t" not in streamed
+
+
+def test_a_stop_string_mid_step_ends_the_output_at_its_token(tok):
+    """Several tokens in one update (a speculative step): those after the token that completes the
+    stop string are not output."""
+    ids = tok.encode("The answer is forty-two. Done.", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok.backend_tokenizer, [1], SamplingParams(stop=["y-tw"]))
+    stop, used = detok.update(ids)
+    assert stop == "y-tw" and detok.text == "The answer is fort"
+    assert tok.decode(ids[:used]).startswith("The answer is forty-tw")
+    assert "y-tw" not in tok.decode(ids[:used - 1])
+    assert detok.update(ids[:3]) == (None, 3)  # no stop string: every token
 
 
 def test_engine_stream_deltas_concatenate_to_final_text(smol_bf16):

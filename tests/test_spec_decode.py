@@ -242,19 +242,6 @@ def test_draft_with_no_end_of_text_in_common_is_refused(tiny_llama_dir, tmp_path
         LLM(speculative_config=spec, progress=False, kv_cache_memory="64MiB", max_model_len=256)
 
 
-def test_seeded_sampling_with_speculation_is_reproducible_in_any_batch(smol_path):
-    llm = LLM(dtype="float32", quantization="none", speculative_config=NGRAM, progress=False, **BASE)
-    prompt = "one two three one two three one two three one two"
-    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=24)
-    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    others = [SamplingParams(temperature=1.0, max_tokens=24, seed=None)] * 6
-    prompts = ["a b a b a b"] * 3 + [prompt] + ["a b a b a b"] * 3
-    batch = llm.generate(prompts, others[:3] + [seeded] + others[3:], use_tqdm=False)
-    assert batch[3].outputs[0].token_ids == alone
-    assert llm.engine.core.stats().spec_decoding.num_accepted_tokens > 0
-    _check_clean(llm)
-
-
 def test_one_stream_hands_the_policys_draft_length_to_the_proposer_ahead():
     """With a draft model (lookahead slots) the policy's length is known before drafting: a request
     alone gets it as the proposer's most passes; with two running, drafts are not cut (None)."""

@@ -6,7 +6,9 @@ are compared with Pearson's chi-square test of homogeneity at significance 0.001
 1 and for top-p 0.9. Both engines run bf16 with `batch_invariant=True` (the GGUF's packed weights):
 a verification row's logits are then bit for bit a plain decode row's, so both sample from exactly
 the same distributions, at a third of fp32's time. The same test flags a run whose acceptance
-rule is deliberately biased (every draft kept), so it can fail.
+rule is deliberately biased (every draft kept), so it can fail. Verification draws as the plain
+sampler does (rejection_sampler.py), so with the same seeds the two samples are in fact equal
+token for token; the test asks only for the distributions, which is what losslessness means.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from tokenmill.worker.spec_decode import rejection_sampler
 
 from .test_rejection_sampler import chi2_critical
 
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}'
+# not adaptive: every step drafts, whatever the policy would measure at 128 requests
+NGRAM = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1, '
+         '"adaptive": false}')
 # 33 tokens: two full 16-token KV blocks and one more. Every request after the first reads the two
 # blocks from the prefix cache and computes one prompt token, so a sample costs 4 token forwards
 # (not 9, as with 22 tokens): the statistics are about the sampler, not the prompt's length.

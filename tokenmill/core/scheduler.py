@@ -122,7 +122,7 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         speculate = (self.spec_disable_by_batch_size is None
                      or len(self.running) <= self.spec_disable_by_batch_size)
-        # drafts present were asked for by the policy last step (or are a seeded request's): verify them;
+        # drafts present were asked for by the policy last step: verify them;
         # whether to draft for the next step is decided now, so that a step without speculation drafts nothing
         propose = speculate
         if speculate and self.spec_policy is not None:
@@ -140,8 +140,7 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            # a seeded request always verifies its drafts: its random stream must not depend on the batch
-            drafts = self._drafts(req, budget) if speculate or req.params.seed is not None else []
+            drafts = self._drafts(req, budget) if speculate else []
             try:
                 while True:
                     n = min(req.num_tokens - req.num_computed_tokens + len(drafts), budget)
@@ -213,8 +212,7 @@ class Scheduler:
         if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
             return []
         room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
-        if self.spec_policy is not None and req.params.seed is None:  # how far (a seeded request's random
-            # stream follows its drafts: it verifies them all, in any batch)
+        if self.spec_policy is not None:  # how far
             room = min(room, self.spec_policy.draft_length(len(self.running), len(req.spec_token_ids)))
         return req.spec_token_ids[:max(room, 0)]
 

@@ -49,9 +49,9 @@ class SchedulerOutput(msgspec.Struct):
     # request id -> length its block table is cut to (blocks past the accepted tokens were freed)
     num_kept_blocks: dict[str, int] = {}
     # whether the runner drafts for the next step after this one (the speculation policy decides a
-    # step ahead, so a step it runs without speculation pays no proposer; seeded requests always draft)
+    # step ahead, so a step it runs without speculation pays no proposer)
     propose_drafts: bool = True
-    # one stream: the most passes a draft model runs for a request without a seed (the policy's
+    # one stream: the most passes a draft model runs for a request (the policy's
     # draft length, known before drafting, so passes it would cut are not spent); None: k
     max_draft_passes: int | None = None
 

@@ -8,6 +8,9 @@ because they may still turn out to be the start of a stop string.
 
 from __future__ import annotations
 
+import functools
+import re
+
 from tokenizers.decoders import DecodeStream
 
 from tokenmill.sampling_params import SamplingParams
@@ -26,16 +29,22 @@ class IncrementalDetokenizer:
         self.text = ""
         self.sent = 0  # characters of text already handed out as deltas
 
-    def update(self, token_ids: list[int], skip_last: bool = False) -> str | None:
-        """Append tokens' text; returns the stop string if one now appears (text is cut there).
-        `skip_last`: the final token is a stop token whose text is not part of the output."""
-        start = len(self.text)
-        for tok in token_ids[:-1] if skip_last else token_ids:
+    def update(self, token_ids: list[int], skip_last: bool = False) -> tuple[str | None, int]:
+        """Append tokens' text. Returns the stop string if one now appears (the text is cut there),
+        and how many of the tokens are output: up to the one whose text completes the stop string
+        (a speculative step's later tokens are not). `skip_last`: the final token is a stop token
+        whose text is not part of the output."""
+        for n, tok in enumerate(token_ids[:-1] if skip_last else token_ids, start=1):
+            start = len(self.text)
             piece = self.stream.step(self.tokenizer, tok)
             if piece:
                 self.text += piece
-        if not self.stops or len(self.text) == start:
-            return None
+                if self.stops and (stop := self._cut_at_stop(start)) is not None:
+                    return stop, n
+        return None, len(token_ids)
+
+    def _cut_at_stop(self, start: int) -> str | None:
+        """The first stop string in the text that ends past `start`, the text cut there."""
         window = max(0, start - self.hold_back)
         best = None
         for stop in self.stops:
@@ -54,3 +63,46 @@ class IncrementalDetokenizer:
         out = self.text[self.sent:end]
         self.sent = end
         return out
+
+
+class TextOffsets:
+    """Where each token's text starts in the decoded text (legacy logprobs' `text_offset`): the
+    characters completed before it. A character split over tokens is counted once, when complete,
+    so the offsets stay those of the text (a piece decoded alone would be a U+FFFD each)."""
+
+    def __init__(self, tokenizer, context_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(ids=context_ids[-_PROMPT_CONTEXT:], skip_special_tokens=skip_special_tokens)
+        self.offset = 0
+
+    def next(self, token_id: int) -> int:
+        at = self.offset
+        self.offset += len(self.stream.step(self.tokenizer, token_id) or "")
+        return at
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each of the 256 bytes (GPT-2's), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer, token_id: int, piece: str) -> bytes:
+    """A token's own bytes (chat logprobs' `bytes`): its piece's UTF-8, unless the piece is part of a
+    character (decoded alone, a U+FFFD); then the bytes its vocabulary entry stands for, in byte-level
+    BPE's alphabet or as a <0xNN> byte fallback."""
+    if "\ufffd" not in piece:
+        return piece.encode()
+    entry = tokenizer.id_to_token(token_id) or ""
+    if m := _BYTE_FALLBACK.fullmatch(entry):
+        return bytes([int(m.group(1), 16)])
+    alphabet = _byte_level_alphabet()
+    if entry and all(c in alphabet for c in entry):
+        return bytes(alphabet[c] for c in entry)
+    return piece.encode()

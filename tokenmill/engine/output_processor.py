@@ -4,7 +4,7 @@ logprobs, n > 1 fan-in, per-request timings, and the step's statistics."""
 from __future__ import annotations
 
 from tokenmill.core.messages import SPEC_COUNTS, EngineCoreOutput, PromptLogprobs, TokenLogprobs, spec_counts
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, token_bytes
 from tokenmill.engine.processor import ProcessedRequest
 from tokenmill.engine.stats import FinishedRequestStats, IterationStats
 from tokenmill.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -136,8 +136,8 @@ class OutputProcessor:
             elif state.p.request_id not in touched:  # one gap per request and step (n > 1: not per sample)
                 stats.itls.append(now - m.last_token_time)
             m.last_token_time = now
-            stats.num_generation_tokens += len(o.new_token_ids)
-            stop = self._add_tokens(child, o)
+            stop, used = self._add_tokens(child, o)
+            stats.num_generation_tokens += used
         if stop is not None:  # a stop string wins over whatever else ended the request
             child.finish_reason, child.stop_reason = "stop", stop
             if o.finish_reason is None:
@@ -150,17 +150,18 @@ class OutputProcessor:
         child.changed = True
         touched[state.p.request_id] = state
 
-    def _add_tokens(self, child: _Child, o: EngineCoreOutput) -> str | None:
-        """Returns the stop string the new text contains, if any."""
+    def _add_tokens(self, child: _Child, o: EngineCoreOutput) -> tuple[str | None, int]:
+        """Returns the stop string the new text contains, if any, and how many of the new tokens
+        are output: a stop string met mid-step (speculation) drops the tokens after it."""
         stopped_on_token = o.finish_reason == "stop" and not isinstance(o.stop_reason, str)
         skip_last = stopped_on_token and not child.detok.include_stop
-        stop = child.detok.update(o.new_token_ids, skip_last=skip_last)
-        child.token_ids.extend(o.new_token_ids)
+        stop, used = child.detok.update(o.new_token_ids, skip_last=skip_last)
+        child.token_ids.extend(o.new_token_ids[:used])
         if child.logprobs is not None and o.new_logprobs:
-            for lp in o.new_logprobs:
+            for lp in o.new_logprobs[:used]:
                 child.logprobs.append(self._position(lp))
                 child.cumulative_logprob += lp.logprobs[0]
-        return stop
+        return stop, used
 
     def _position(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         ids, vals = lp.token_ids, lp.logprobs
@@ -169,6 +170,9 @@ class OutputProcessor:
             if tid not in pos:
                 pos[tid] = Logprob(v, r, self.piece(tid))
         return pos
+
+    def piece_bytes(self, token_id: int) -> bytes:
+        return token_bytes(self.fast, token_id, self.piece(token_id))
 
     def piece(self, token_id: int) -> str:
         s = self._piece_cache.get(token_id)

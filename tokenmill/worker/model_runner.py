@@ -106,9 +106,8 @@ class ModelRunner:
                 self._prompt_logprobs(state, n, hidden, int(ends[i]) - n, out)
         if self.proposer is not None:
             t0 = time.perf_counter()
-            self._propose([batch[i][0] for i in rows + verify
-                           if sched.propose_drafts or batch[i][0].params.seed is not None], out,
-                          sched.max_draft_passes)
+            if sched.propose_drafts:
+                self._propose([batch[i][0] for i in rows + verify], out, sched.max_draft_passes)
             out.draft_seconds = time.perf_counter() - t0
             out.draft_prefill_seconds = getattr(self.proposer, "prefill_seconds", 0.0)
         return out
@@ -164,9 +163,7 @@ class ModelRunner:
         states = [s for s in states if speculates(s)]
         if not states:
             return
-        # a seeded request's random stream follows its drafts: they never depend on the policy
-        limits = [None if s.params.seed is not None else max_passes for s in states]
-        for state, drafts in zip(states, self.proposer.propose(states, limits)):
+        for state, drafts in zip(states, self.proposer.propose(states, [max_passes] * len(states))):
             if drafts:
                 out.spec_token_ids[state.req_id] = drafts
 

@@ -8,7 +8,11 @@ norm(max(p_j - q_j, 0)); when every draft is kept, a bonus token is drawn from p
 token is then distributed exactly as p, the target's distribution after the logits processors,
 temperature, top-k, top-p and min-p. Proposers here draft deterministically (n-gram, or a draft
 model's argmax), so q_j is one-hot on the draft: keep with probability p_j(d), else draw from p_j
-with d removed. Random draws come from the request's own generator when it has a seed.
+with d removed. That rule is carried out by the plain sampler's own draw: a token x from p_j (one
+uniform, inverse CDF), d kept if x = d, else x is the step's last token; P(x = d) = p_j(d), and given
+x != d, x follows p_j without d. So a request uses one uniform per output token, as decoding without
+speculation does, and a seeded request draws the same tokens with drafts or without, in any batch,
+preempted or not. Random draws come from the request's own generator when it has a seed.
 """
 
 from __future__ import annotations
@@ -21,34 +25,37 @@ from tokenmill.worker.sampler import Sampler, SamplingBatch, first_argmax
 
 
 def _uniform(generator: torch.Generator) -> float:
-    return float(torch.rand(1, generator=generator, device=generator.device))
+    return float(torch.empty(1).uniform_(generator=generator))  # as the sampler's own (sampler.py)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token from an unnormalized distribution (inverse CDF, one uniform)."""
+    """One token from an unnormalized distribution (inverse CDF, one uniform): the plain sampler's
+    draw, on the same float32 operations, so the same uniform gives the same token."""
     cdf = probs.cumsum(dim=-1)
-    u = _uniform(generator) * float(cdf[-1])
-    return int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype), right=True).clamp_(max=len(probs) - 1))
+    u = torch.empty(1).uniform_(generator=generator) * cdf[-1]
+    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=len(probs) - 1))
 
 
 def verify_sampled(p: torch.Tensor, drafts: list[int], generator: torch.Generator,
                    q: torch.Tensor | None = None) -> list[int]:
-    """p: [len(drafts) + 1, V] target probabilities (rows may be unnormalized); q: [len(drafts), V]
-    draft probabilities, or None for one-hot drafts. Returns the kept drafts plus one token."""
+    """p: [len(drafts) + 1, V] target probabilities (rows may be unnormalized, as the sampler's);
+    q: [len(drafts), V] draft probabilities, or None for one-hot drafts. Returns the kept drafts
+    plus one token."""
+    if q is None:  # one draw per position, the sampler's (docstring)
+        out = []
+        for j, d in enumerate(drafts):
+            out.append(draw(p[j], generator))
+            if out[-1] != d:
+                return out
+        out.append(draw(p[len(drafts)], generator))
+        return out
     p = p / p.sum(dim=-1, keepdim=True)
     out = []
     for j, d in enumerate(drafts):
-        pd = float(p[j, d])
-        qd = 1.0 if q is None else float(q[j, d])
-        if _uniform(generator) * qd < pd:  # u < p/q, with q(d) > 0 since d was drafted from q
+        if _uniform(generator) * float(q[j, d]) < float(p[j, d]):  # u < p/q, with q(d) > 0 since d was drafted from q
             out.append(d)
             continue
-        if q is None:
-            residual = p[j].clone()
-            residual[d] = 0.0
-        else:
-            residual = (p[j] - q[j]).clamp_(min=0.0)
-        out.append(draw(residual, generator))
+        out.append(draw((p[j] - q[j]).clamp_(min=0.0), generator))
         return out
     out.append(draw(p[len(drafts)], generator))
     return out
