@@ -176,7 +176,7 @@ def _check_response(status: int, headers, content: bytes, streamed: bool) -> str
             return f"stream did not end with [DONE]: {content[-300:]!r}"
         for e in events[:-1]:
             chunk = json.loads(e)
-            if "error" in chunk and chunk["error"].get("code", 0) >= 500:
+            if "error" in chunk and not (isinstance(code := chunk["error"].get("code"), int) and code < 500):
                 return f"stream error event: {e[:300]}"
         return None
     if not ctype.startswith("application/json"):
@@ -184,7 +184,10 @@ def _check_response(status: int, headers, content: bytes, streamed: bool) -> str
     payload = json.loads(content)  # strict: the server never writes NaN or lone surrogates
     if status >= 400:
         err = payload.get("error") if isinstance(payload, dict) else None
-        if not isinstance(err, dict) or not err.get("message") or err.get("code") != status:
+        # the code: OpenAI's string (context_length_exceeded, model_not_found) or else the status
+        code = err.get("code") if isinstance(err, dict) else None
+        code_ok = code == status or (isinstance(code, str) and code != "")
+        if not isinstance(err, dict) or not err.get("message") or not code_ok:
             return f"status {status} without an OpenAI error body: {content[:300]!r}"
     return None
 

@@ -226,6 +226,7 @@ def test_over_long_prompt_names_the_numbers(server):
 def test_unknown_model_is_404(server, client):
     r = post(server, "/v1/completions", {"model": "gpt-4", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    assert r.json()["error"]["code"] == "model_not_found"  # OpenAI's code, as clients test it
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=CHAT)
 

@@ -137,6 +137,18 @@ def test_parser_any_chunking(step):
     assert all(c["id"].startswith("call_") for c in whole_calls)
 
 
+@pytest.mark.parametrize("text", ["\n<tool_call>", "\n\nHi there\n",
+                                  '  Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'])
+def test_streamed_content_is_the_whole_parse_s(text):
+    """A stream's content deltas join to what a non-streamed response holds (a call cut off before
+    its object, after a newline, was "\\n<tool_call>" streamed and "<tool_call>" whole)."""
+    parser, deltas = ToolCallParser(), []
+    for ch in text:
+        deltas += parser.feed(ch)
+    deltas += parser.finish()
+    assert "".join(d.get("content", "") for d in deltas) == ToolCallParser().parse(text)[0]
+
+
 def test_parser_edge_cases():
     assert ToolCallParser().parse("No tools <tool_ here") == ("No tools <tool_ here", [])
     assert ToolCallParser().parse("<tool_call>not json</tool_call> ok") == ("<tool_call>not json</tool_call> ok", [])

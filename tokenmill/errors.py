@@ -42,7 +42,10 @@ class AuthenticationError(TokenmillError):
 
 class ModelNotFoundError(TokenmillError):
     status_code = 404
-    error_type = "model_not_found"
+    error_type = "invalid_request_error"  # OpenAI's type and code
+
+    def __init__(self, message: str, param: str | None = "model"):
+        super().__init__(message, param=param, code="model_not_found")
 
 
 class QueueFullError(TokenmillError):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from tokenmill.config import EngineConfig
 from tokenmill.core.messages import SchedulerLoad, SchedulerStats
 from tokenmill.engine.async_streams import RequestStream, Waker, resolve
+from tokenmill.engine.detokenizer import TextOffsets
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.engine.load_tracker import LoadTracker
 from tokenmill.engine.stats import StatLogger
@@ -103,6 +104,14 @@ class AsyncLLMEngine:
         if any(not 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
         return self.engine.tokenizer.decode(token_ids)
+
+    def text_offsets(self, context_ids: list[int], skip_special_tokens: bool = True) -> TextOffsets:
+        """Each next token's character offset in the text decoded after `context_ids`."""
+        return TextOffsets(self.engine.output_processor.fast, context_ids, skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a piece of a character: the bytes, not U+FFFD's)."""
+        return self.engine.output_processor.piece_bytes(token_id)
 
     def token_piece(self, token_id: int) -> str:
         """One token's text as logprobs show it (special tokens included; cached)."""

@@ -38,9 +38,16 @@ class InputProcessor:
         self._max_token_chars: int | None = None
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    chat_template: str | None = None, **template_kwargs) -> str:
+                    chat_template: str | None = None, continue_final_message: bool = False,
+                    **template_kwargs) -> str:
+        """`continue_final_message`: the last message left open, for the model to go on with (an
+        assistant's prefill), as vLLM's and transformers' flag."""
         if not isinstance(messages, list) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        if continue_final_message and add_generation_prompt:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true (set "
+                                      "add_generation_prompt to false to continue the last message)",
+                                      param="continue_final_message")
         norm = []
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
@@ -54,6 +61,7 @@ class InputProcessor:
             return self.tokenizer.apply_chat_template(norm, tokenize=False,
                                                       chat_template=chat_template or self.chat_template,
                                                       add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
                                                       **template_kwargs)
         except Exception as e:  # template errors (e.g. roles it rejects) are the caller's
             raise InvalidRequestError(f"chat template failed: {e}", param="messages") from None

@@ -35,11 +35,14 @@ class LLM:
         return self._run([(p, True) for p in prompts], params, use_tqdm, priority)
 
     def chat(self, messages: list[dict] | Sequence[list[dict]], params: Params = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} messages) or a list of them."""
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} messages) or a list of them.
+        `continue_final_message`: the model goes on with the last message (with add_generation_prompt=False)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         proc = self.engine.processor
-        texts = [proc.render_chat(c, add_generation_prompt, chat_template) for c in conversations]
+        texts = [proc.render_chat(c, add_generation_prompt, chat_template, continue_final_message)
+                 for c in conversations]
         # the template already holds the special tokens (BOS etc.)
         return self._run([(t, False) for t in texts], params, use_tqdm)
 

@@ -230,7 +230,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig, on_load_failure
             raise InvalidRequestError("give exactly one of prompt or messages", param="prompt")
         if body.messages is not None:
             tools = parse_tools(body.tools, None, None)
-            text = state.chat.render(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs)
+            text = state.chat.render(body.messages, body.add_generation_prompt, tools, body.chat_template_kwargs,
+                                     body.continue_final_message)
             add_special = False
         else:
             text, add_special = body.prompt, body.add_special_tokens

@@ -41,6 +41,6 @@ def register_compat_routes(app: FastAPI, state) -> None:
         engine = state.ready()
         if model_id != state.model_name:
             raise ModelNotFoundError(f"The model `{clip(model_id)}` does not exist; this server serves "
-                                     f"`{state.model_name}`.", param="model")
+                                     f"`{state.model_name}`.")
         return {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "tokenmill",
                 "root": state.model_name, "max_model_len": engine.max_model_len}

@@ -35,11 +35,16 @@ def error_body(message: str, err_type: str, code: int | str | None, param: str |
                       "param": None if param is None else clip(str(param)), "code": code}}
 
 
+def tokenmill_error_body(e: TokenmillError) -> dict:
+    # OpenAI's string code where the error has one (context_length_exceeded, model_not_found: what
+    # clients test for), else the HTTP status, as vLLM sends
+    return error_body(e.message, e.error_type, e.code if e.code is not None else e.status_code, e.param)
+
+
 def error_response(e: TokenmillError, headers: dict | None = None) -> SafeJSONResponse:
     if isinstance(e, QueueFullError):
         headers = {**(headers or {}), "Retry-After": str(e.retry_after)}
-    return SafeJSONResponse(error_body(e.message, e.error_type, e.status_code, e.param), status_code=e.status_code,
-                            headers=headers)
+    return SafeJSONResponse(tokenmill_error_body(e), status_code=e.status_code, headers=headers)
 
 
 def http_error_response(status: int, message: str, headers: dict | None = None) -> SafeJSONResponse:
@@ -49,7 +54,11 @@ def http_error_response(status: int, message: str, headers: dict | None = None) 
 
 def validation_message(e: RequestValidationError) -> InvalidRequestError:
     errors = e.errors()
-    err = errors[0] if errors else {}
+    # a union (prompt: text, texts, token ids, lists of ids) fails once per member; the member the input
+    # matched in shape got deepest, and an error about a value beats one about a type (prompt [-1]:
+    # "must be >= 0", not "must be a string")
+    err = max(errors, key=lambda x: (len(x.get("loc", ())), not str(x.get("type", "")).endswith("_type")),
+              default={})
     loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _UNION_TAG.match(str(x))]
     if err.get("type") == "json_invalid":
         return InvalidRequestError(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")

@@ -49,6 +49,8 @@ def _implies(field: str, when: dict, other: str, must_be) -> dict:
 
 
 _STREAM_OPTIONS_NEED_STREAM = _implies("stream_options", {"type": "object"}, "stream", True)
+_CONTINUE_NEEDS_NO_GENERATION_PROMPT = _implies("continue_final_message", {"const": True},
+                                                "add_generation_prompt", False)
 
 
 class OpenAIModel(BaseModel):
@@ -213,7 +215,8 @@ TemplateKwargs = Annotated[dict[str, Any], Field(json_schema_extra={
 
 class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        _STREAM_OPTIONS_NEED_STREAM, _implies("top_logprobs", {"type": "integer"}, "logprobs", True)]})
+        _STREAM_OPTIONS_NEED_STREAM, _implies("top_logprobs", {"type": "integer"}, "logprobs", True),
+        _CONTINUE_NEEDS_NO_GENERATION_PROMPT]})
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Int | None = Field(None, ge=1, description="Deprecated name of max_completion_tokens.",
                                    json_schema_extra={OUTPUT_TOKENS: True})
@@ -225,6 +228,8 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="Leave the last message open for the model to "
+                                         "continue (an assistant prefill); needs add_generation_prompt false.")
     chat_template_kwargs: TemplateKwargs | None = None
 
 
@@ -233,13 +238,15 @@ class TokenizeRequest(OpenAIModel):
 
     model_config = ConfigDict(json_schema_extra={"anyOf": [
         {"properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}, "required": ["prompt"]},
-        {"properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}, "required": ["messages"]}]})
+        {"properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}, "required": ["messages"]}],
+        "allOf": [_CONTINUE_NEEDS_NO_GENERATION_PROMPT]})
 
     model: str | None = Field(None, json_schema_extra={SERVED_MODEL: True})
     prompt: PromptText | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = Field(None, description="With messages: rendered as a chat request would.")
     chat_template_kwargs: TemplateKwargs | None = None
 

@@ -15,7 +15,7 @@ from tokenmill.config import ServerConfig
 from tokenmill.core.messages import SPEC_COUNTS, spec_counts
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.entrypoints.openai import wire
-from tokenmill.entrypoints.openai.http_errors import clip, error_body
+from tokenmill.entrypoints.openai.http_errors import clip, tokenmill_error_body
 from tokenmill.errors import (
     InvalidRequestError,
     ModelNotFoundError,
@@ -72,7 +72,7 @@ class ServingBase:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ModelNotFoundError(f"The model `{clip(model)}` does not exist; this server serves "
-                                     f"`{self.model_name}`.", param="model", code="model_not_found")
+                                     f"`{self.model_name}`.")
 
     def admit(self, model: str | None) -> None:
         self.check_model(model)
@@ -177,7 +177,7 @@ class ServingBase:
         if not isinstance(e, TokenmillError):  # a bug: logged, and the client still gets a clean end
             server_logger.error("request %s failed mid-stream", request_id, exc_info=e)
             e = TokenmillError(f"internal error: {type(e).__name__}")
-        return e.status_code, wire.sse(error_body(e.message, e.error_type, e.status_code, e.param))
+        return e.status_code, wire.sse(tokenmill_error_body(e))
 
     def access_log(self, request_id: str, endpoint: str, status: int, usage: Usage, t0: float,
                    first_token: float | None) -> None:

@@ -26,7 +26,7 @@ class ChatServing(ServingBase):
     id_prefix = "chatcmpl"
 
     def render(self, messages: list, add_generation_prompt: bool, tools: ToolRequest | None,
-               chat_template_kwargs: dict | None) -> str:
+               chat_template_kwargs: dict | None, continue_final_message: bool = False) -> str:
         """The prompt text the chat template makes of these messages (what /tokenize counts, too)."""
         reserved = sorted(set(chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
         if reserved:
@@ -35,7 +35,8 @@ class ChatServing(ServingBase):
         dicts = [{**m.model_dump(exclude_none=True), "role": "system" if m.role == "developer" else m.role}
                  for m in messages]
         dicts, tool_kwargs = prepare_messages(dicts, tools, template_supports_tools(self.engine.chat_template))
-        return self.engine.render_chat(dicts, add_generation_prompt, **{**(chat_template_kwargs or {}), **tool_kwargs})
+        return self.engine.render_chat(dicts, add_generation_prompt, continue_final_message=continue_final_message,
+                                       **{**(chat_template_kwargs or {}), **tool_kwargs})
 
     def prepare(self, req: ChatCompletionRequest) -> tuple[str, object, ToolRequest | None]:
         """The prompt, the sampling params, and the tools whose calls are parsed out of the output."""
@@ -44,6 +45,9 @@ class ChatServing(ServingBase):
         top = req.top_logprobs
         if top is not None and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if top is not None and top > self.engine.max_logprobs:  # checked here to name the client's field
+            raise InvalidRequestError(f"top_logprobs must be <= {self.engine.max_logprobs} (the server's "
+                                      f"max_logprobs), got {top}", param="top_logprobs")
         structured = req.structured()
         tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         if tools is not None and tools.choice != "none":
@@ -54,7 +58,8 @@ class ChatServing(ServingBase):
                                           "response_format or structured_outputs", param="tool_choice")
             else:  # the client's own format wins; no call can be made
                 tools = None
-        prompt = self.render(req.messages, req.add_generation_prompt, tools, req.chat_template_kwargs)
+        prompt = self.render(req.messages, req.add_generation_prompt, tools, req.chat_template_kwargs,
+                             req.continue_final_message)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         for name in ("max_tokens", "max_completion_tokens"):  # both are checked, even the one not used
             value = getattr(req, name)
@@ -95,7 +100,8 @@ class ChatServing(ServingBase):
     def _logprobs(self, req: ChatCompletionRequest, token_ids, positions) -> dict | None:
         if not req.logprobs:
             return None
-        return {"content": chat_logprobs(token_ids, positions or [], self.piece, req.top_logprobs or 0)}
+        return {"content": chat_logprobs(token_ids, positions or [], self.piece, self.engine.token_bytes,
+                                         req.top_logprobs or 0)}
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, streams, t0: float,
                       tools: ToolRequest | None) -> AsyncIterator[bytes]:

@@ -86,6 +86,11 @@ class CompletionServing(ServingBase):
         after = await ids(req.suffix)
         return [head + fim.prompt(await ids(p) if isinstance(p, str) else p, after) for p in prompts]
 
+    def _logprobs(self, req: CompletionRequest, out: RequestOutput) -> CompletionLogprobs:
+        # offsets into the choice's text: after the prompt's text when it is echoed, else from 0
+        context = [] if req.echo else out.prompt_token_ids
+        return CompletionLogprobs(self.engine.text_offsets(context, req.skip_special_tokens))
+
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.engine.detokenize(out.prompt_token_ids)
 
@@ -94,11 +99,11 @@ class CompletionServing(ServingBase):
         tokens = [] if echo_only else o.token_ids
         logprobs = None
         if req.logprobs is not None:
-            lp = CompletionLogprobs()
+            lp = self._logprobs(req, out)
             if req.echo:
                 lp.add(out.prompt_token_ids, out.prompt_logprobs, self.piece, req.logprobs)
             lp.add(tokens, (o.logprobs or [])[:len(tokens)], self.piece, req.logprobs)
-            logprobs = lp.to_dict()
+            logprobs = lp.take()
         if req.echo:
             text = self._prompt_text(out) + text
         choice = {"index": i * req.n + o.index, "text": text, "logprobs": logprobs,
@@ -109,7 +114,7 @@ class CompletionServing(ServingBase):
                       t0: float) -> AsyncIterator[bytes]:
         created, usage, first_token = int(time.time()), Usage(), None
         started: set[int] = set()
-        offsets: dict[int, int] = {}
+        logprobs: dict[int, CompletionLogprobs] = {}  # by choice: offsets run on across chunks
         status = 200
         try:
             async for i, out in streams:
@@ -119,7 +124,9 @@ class CompletionServing(ServingBase):
                 for o in out.outputs:
                     idx = i * req.n + o.index
                     text, tokens = ("", []) if echo_only else (o.text, o.token_ids)
-                    lp = CompletionLogprobs(offsets.get(idx, 0)) if req.logprobs is not None else None
+                    if req.logprobs is not None and idx not in logprobs:
+                        logprobs[idx] = self._logprobs(req, out)
+                    lp = logprobs.get(idx)
                     if idx not in started:
                         started.add(idx)
                         if o.index == 0:
@@ -130,13 +137,12 @@ class CompletionServing(ServingBase):
                                 lp.add(out.prompt_token_ids, out.prompt_logprobs, self.piece, req.logprobs)
                     if lp is not None:
                         lp.add(tokens, (o.logprobs or [])[:len(tokens)], self.piece, req.logprobs)
-                        offsets[idx] = lp.offset
                     usage.completion_tokens += len(tokens)
                     finish = ("length" if echo_only else o.finish_reason) if o.finished else None
                     yield self.sse({"id": request_id, "object": "text_completion", "created": created,
                                     "model": self.model_name,
                                     "choices": [{"index": idx, "text": text,
-                                                 "logprobs": lp.to_dict() if lp is not None else None,
+                                                 "logprobs": lp.take() if lp is not None else None,
                                                  "finish_reason": finish,
                                                  "stop_reason": o.stop_reason if o.finished else None}]})
             if req.stream_options and req.stream_options.include_usage:

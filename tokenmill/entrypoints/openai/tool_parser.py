@@ -36,6 +36,7 @@ class ToolCallParser:
         self._header_end = -1  # offset of the arguments in _call, once the name is known
         self._sent = 0  # argument characters already sent
         self._space = ""  # whitespace held back: sent only if more content follows
+        self._content_sent = False
 
     def feed(self, text: str) -> list[dict]:
         self._buf += text
@@ -92,8 +93,10 @@ class ToolCallParser:
         if not text.strip():  # e.g. the newline between two calls
             self._space += text
             return
-        deltas.append({"content": self._space + text})
-        self._space = ""
+        text = self._space + text
+        # as `parse` strips the whole content, a stream never starts with whitespace (it never ends with any)
+        deltas.append({"content": text if self._content_sent else text.lstrip()})
+        self._space, self._content_sent = "", True
 
     def _start_call(self, name: str, deltas: list[dict]) -> None:
         self._space = ""
