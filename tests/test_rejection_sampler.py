@@ -60,6 +60,26 @@ def test_one_hot_drafts_first_and_later_token_follow_p():
     assert_distributed_as(second, p[1])
 
 
+def test_the_plain_samplers_draw_keeps_one_hot_drafts_as_the_rule_does():
+    """as_plain (a seeded request's verification): the tokens follow p as the rule's do, and are the
+    plain draws of the same generator, drafts or not."""
+    p = _dists(0, 3)
+    drafts = [int(p[0].argsort()[4]), int(p[1].argmax())]
+    g = torch.Generator().manual_seed(1)
+    first, second = Counter(), Counter()
+    for _ in range(N):
+        out = verify_sampled(p, drafts, g, as_plain=True)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            second[out[1]] += 1
+    assert_distributed_as(first, p[0])
+    assert_distributed_as(second, p[1])
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    for _ in range(500):
+        out = verify_sampled(p, drafts, g1, as_plain=True)
+        assert out == [draw(p[j], g2) for j in range(len(out))]
+
+
 def _biased(p: torch.Tensor, drafts: list[int], g: torch.Generator, q: torch.Tensor) -> list[int]:
     """Wrong: on rejection draws from p, not from max(p - q, 0)."""
     for j, d in enumerate(drafts):

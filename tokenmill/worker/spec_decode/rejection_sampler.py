@@ -8,11 +8,14 @@ norm(max(p_j - q_j, 0)); when every draft is kept, a bonus token is drawn from p
 token is then distributed exactly as p, the target's distribution after the logits processors,
 temperature, top-k, top-p and min-p. Proposers here draft deterministically (n-gram, or a draft
 model's argmax), so q_j is one-hot on the draft: keep with probability p_j(d), else draw from p_j
-with d removed. That rule is carried out by the plain sampler's own draw: a token x from p_j (one
-uniform, inverse CDF), d kept if x = d, else x is the step's last token; P(x = d) = p_j(d), and given
-x != d, x follows p_j without d. So a request uses one uniform per output token, as decoding without
-speculation does, and a seeded request draws the same tokens with drafts or without, in any batch,
-preempted or not. Random draws come from the request's own generator when it has a seed.
+with d removed. Random draws come from the request's own generator when it has a seed.
+A seeded request carries that rule out with the plain sampler's own draw instead: a token x from
+p_j (one uniform, inverse CDF), d kept if x = d, else x is the step's last token; P(x = d) = p_j(d),
+and given x != d, x follows p_j without d. It so uses one uniform per output token on the sampler's
+operations, and draws the very tokens it draws without speculation, in any batch, whether a short
+pool drops its drafts or preempts it. The price is a CDF over the vocabulary per draft (~0.2 ms at
+150k tokens) where the rule needs one per step: what every token costs without speculation, so
+requests without a seed keep the cheaper form.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def verify_sampled(p: torch.Tensor, drafts: list[int], generator: torch.Generator,
-                   q: torch.Tensor | None = None) -> list[int]:
+                   q: torch.Tensor | None = None, as_plain: bool = False) -> list[int]:
     """p: [len(drafts) + 1, V] target probabilities (rows may be unnormalized, as the sampler's);
-    q: [len(drafts), V] draft probabilities, or None for one-hot drafts. Returns the kept drafts
-    plus one token."""
-    if q is None:  # one draw per position, the sampler's (docstring)
+    q: [len(drafts), V] draft probabilities, or None for one-hot drafts. `as_plain` (one-hot drafts):
+    the plain sampler's draw at each position (docstring). Returns the kept drafts plus one token."""
+    if as_plain:
+        assert q is None, "the sampler's draw stands for the rule only with one-hot drafts"
         out = []
         for j, d in enumerate(drafts):
             out.append(draw(p[j], generator))
@@ -52,10 +56,17 @@ def verify_sampled(p: torch.Tensor, drafts: list[int], generator: torch.Generato
     p = p / p.sum(dim=-1, keepdim=True)
     out = []
     for j, d in enumerate(drafts):
-        if _uniform(generator) * float(q[j, d]) < float(p[j, d]):  # u < p/q, with q(d) > 0 since d was drafted from q
+        pd = float(p[j, d])
+        qd = 1.0 if q is None else float(q[j, d])
+        if _uniform(generator) * qd < pd:  # u < p/q, with q(d) > 0 since d was drafted from q
             out.append(d)
             continue
-        out.append(draw((p[j] - q[j]).clamp_(min=0.0), generator))
+        if q is None:
+            residual = p[j].clone()
+            residual[d] = 0.0
+        else:
+            residual = (p[j] - q[j]).clamp_(min=0.0)
+        out.append(draw(residual, generator))
         return out
     out.append(draw(p[len(drafts)], generator))
     return out
@@ -95,7 +106,8 @@ class RejectionSampler:
             if state.params.greedy:
                 tokens = verify_greedy(argmax[r0:r0 + n], drafts)
             else:
-                tokens = verify_sampled(probs[r0:r0 + n], drafts, state.generator or self.sampler.generator)
+                tokens = verify_sampled(probs[r0:r0 + n], drafts, state.generator or self.sampler.generator,
+                                        as_plain=state.generator is not None)
             if state.params.logprobs is not None:
                 lp_rows.extend(range(r0, r0 + len(tokens)))
                 lp_tokens.extend(tokens)
