@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -33,6 +34,15 @@ class ServerProcess(_ServerProcess):
                 return m
             time.sleep(0.1)
         raise AssertionError(f"engine not idle after {timeout}s: {m}")
+
+
+def checked_server(*args: str) -> Iterator[ServerProcess]:
+    """A module fixture's server (`yield from`): after the module it must stop with exit status 0,
+    with no traceback in its log (every error was handled, none crashed a handler)."""
+    srv = ServerProcess(*args).wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log()
+    assert "Traceback" not in srv.log(), srv.log()
 
 
 def ipc_folders(pid: int) -> set[Path]:

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import checked_server
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -22,10 +22,7 @@ CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
 def server():
     # fp32: seeded sampling is then reproducible across batch shapes and prefix-cache hits (in bf16
     # those shift logits by a few ulps, enough to move a sample); the other servers below run bf16
-    srv = ServerProcess("--dtype", "float32").wait_ready()
-    yield srv
-    assert srv.stop() == 0, srv.log()
-    assert "Traceback" not in srv.log(), srv.log()  # every error above was handled, none crashed a handler
+    yield from checked_server("--dtype", "float32")
 
 
 @pytest.fixture(scope="module")

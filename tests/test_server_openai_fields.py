@@ -3,11 +3,13 @@ serve` on a loopback port."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import checked_server
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -15,10 +17,7 @@ CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess().wait_ready()
-    yield srv
-    assert srv.stop() == 0, srv.log()
-    assert "Traceback" not in srv.log(), srv.log()
+    yield from checked_server()
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +68,15 @@ def test_logprobs_of_a_character_split_over_tokens(server, client):
                                            logit_bias={str(emoji[0]): 100}).choices[0].logprobs.content[0]
     assert first.token == "\ufffd" and 0 < len(first.bytes) < 4
     assert bytes(first.bytes) == "\U0001F600".encode()[:len(first.bytes)]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "Once upon a time"}),
+                                       ("/v1/chat/completions", {"messages": CHAT})])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, path, body):
+    body = {**body, "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all("usage" in c for c in chunks) and counts == sorted(counts) and counts[-1] == 8
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] > 0 for c in chunks)

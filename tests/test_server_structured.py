@@ -15,7 +15,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import checked_server
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -48,10 +48,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--dtype", "float32").wait_ready()
-    yield srv
-    assert srv.stop() == 0, srv.log()
-    assert "Traceback" not in srv.log(), srv.log()
+    yield from checked_server("--dtype", "float32")
 
 
 @pytest.fixture(scope="module")

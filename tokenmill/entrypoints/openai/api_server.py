@@ -275,6 +275,7 @@ async def _cancel_on_disconnect(request: Request, coro):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        logger.info("%s %s: the client disconnected, request aborted (499)", request.method, request.url.path)
         return Response(status_code=499)
     finally:
         watcher.cancel()

@@ -61,6 +61,11 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk carries "
+                                         "the usage so far.")
+
+    def every_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class JsonSchemaFormat(OpenAIModel):

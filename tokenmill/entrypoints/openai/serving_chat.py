@@ -108,8 +108,11 @@ class ChatServing(ServingBase):
         created, usage, first_token, status = int(time.time()), Usage(), None, 200
         started: set[int] = set()
         parsers: dict[int, ToolCallParser] = {}
+        continuous = req.stream_options is not None and req.stream_options.every_chunk()
 
         def chunk(choices, **extra):
+            if continuous:
+                extra.setdefault("usage", usage.to_dict())
             return self.sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
                              "model": self.model_name, "choices": choices, **extra})
 

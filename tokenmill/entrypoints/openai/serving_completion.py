@@ -115,6 +115,7 @@ class CompletionServing(ServingBase):
         created, usage, first_token = int(time.time()), Usage(), None
         started: set[int] = set()
         logprobs: dict[int, CompletionLogprobs] = {}  # by choice: offsets run on across chunks
+        continuous = req.stream_options is not None and req.stream_options.every_chunk()
         status = 200
         try:
             async for i, out in streams:
@@ -144,7 +145,8 @@ class CompletionServing(ServingBase):
                                     "choices": [{"index": idx, "text": text,
                                                  "logprobs": lp.take() if lp is not None else None,
                                                  "finish_reason": finish,
-                                                 "stop_reason": o.stop_reason if o.finished else None}]})
+                                                 "stop_reason": o.stop_reason if o.finished else None}],
+                                    **({"usage": usage.to_dict()} if continuous else {})})
             if req.stream_options and req.stream_options.include_usage:
                 yield self.sse({"id": request_id, "object": "text_completion", "created": created,
                                 "model": self.model_name, "choices": [], "usage": usage.to_dict()})
