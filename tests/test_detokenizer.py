@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tokenmill import RequestOutputKind, SamplingParams
-from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.detokenizer import IncrementalDetokenizer, TextOffsets
 
 TEXTS = ["héllo wörld — naïve café", "日本語のテキストと中文字符", "emoji 😀🎉👩‍👩‍👧 mixed ✓ text",
          "code: def f(x):\n    return x ** 2  # ✓", "Ελληνικά και русский текст"]
@@ -57,6 +57,16 @@ def test_a_stop_string_mid_step_ends_the_output_at_its_token(tok):
     assert tok.decode(ids[:used]).startswith("The answer is forty-tw")
     assert "y-tw" not in tok.decode(ids[:used - 1])
     assert detok.update(ids[:3]) == (None, 3)  # no stop string: every token
+
+
+def test_text_offsets_index_the_text(tok):
+    """Legacy logprobs' text_offset: an emoji's pieces count once; a special token the tokenizer added
+    (not in the text, as a BOS) takes no room; one the text holds does."""
+    text = "<|im_start|>hi \U0001F600 ok"
+    ids = [tok.convert_tokens_to_ids("<|endoftext|>")] + tok.encode(text, add_special_tokens=False)
+    offsets = TextOffsets(tok.backend_tokenizer, [], skip_special_tokens=False, text=text)
+    at = [offsets.next(t) for t in ids]
+    assert at[:3] == [0, 0, len("<|im_start|>")] and at[-1] == text.index(" ok") and offsets.offset == len(text)
 
 
 def test_engine_stream_deltas_concatenate_to_final_text(smol_bf16):

@@ -57,10 +57,14 @@ def test_logprobs_of_a_character_split_over_tokens(server, client):
     """An emoji is several byte-level tokens, each shown as U+FFFD: legacy text_offset counts the
     character once, a same-text entry of top_logprobs keeps the likelier token's logprob, and chat's
     `bytes` are a token's own bytes, not U+FFFD's."""
-    prompt = "I love emoji: \U0001F600\U0001F602 ok"
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=5, temperature=0)
-    lp = r.choices[0].logprobs
-    assert "\ufffd" in lp.tokens and lp.text_offset[-1] == prompt.index(" ok")
+    prompt = "<|im_start|>user\nI love emoji: \U0001F600\U0001F602 ok<|im_end|>"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=5, temperature=0)
+    lp, text = r.choices[0].logprobs, r.choices[0].text
+    assert "\ufffd" in lp.tokens and text.startswith(prompt)
+    assert lp.text_offset[r.usage.prompt_tokens - 1] == prompt.index("<|im_end|>")
+    n = r.usage.prompt_tokens  # each prompt token's text where its offset says (special ones too)
+    for tok, at in zip(lp.tokens[:n], lp.text_offset[:n]):
+        assert "\ufffd" in tok or text.startswith(tok, at), (tok, at)
     for tok, val, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
         assert top[tok] >= val  # its own logprob, or a likelier token's that shows the same text
     emoji = post(server, "/tokenize", {"prompt": "\U0001F600"}).json()["tokens"]

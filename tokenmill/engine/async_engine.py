@@ -105,9 +105,10 @@ class AsyncLLMEngine:
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="tokens")
         return self.engine.tokenizer.decode(token_ids)
 
-    def text_offsets(self, context_ids: list[int], skip_special_tokens: bool = True) -> TextOffsets:
-        """Each next token's character offset in the text decoded after `context_ids`."""
-        return TextOffsets(self.engine.output_processor.fast, context_ids, skip_special_tokens)
+    def text_offsets(self, context_ids: list[int], skip_special_tokens: bool = True, start: int = 0,
+                     text: str | None = None) -> TextOffsets:
+        """Each next token's character offset in the text decoded after `context_ids` (detokenizer.py)."""
+        return TextOffsets(self.engine.output_processor.fast, context_ids, skip_special_tokens, start, text)
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes (a piece of a character: the bytes, not U+FFFD's)."""

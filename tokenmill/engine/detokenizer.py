@@ -67,18 +67,28 @@ class IncrementalDetokenizer:
 
 class TextOffsets:
     """Where each token's text starts in the decoded text (legacy logprobs' `text_offset`): the
-    characters completed before it. A character split over tokens is counted once, when complete,
-    so the offsets stay those of the text (a piece decoded alone would be a U+FFFD each)."""
+    characters completed before it, from `start`. A character split over tokens is counted once,
+    when complete, so the offsets stay those of the text (a piece decoded alone would be a U+FFFD
+    each). `text`: the text the tokens came from, when known (an echoed prompt): a special token
+    the tokenizer added (a BOS) is not in it, and takes no room."""
 
-    def __init__(self, tokenizer, context_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, context_ids: list[int], skip_special_tokens: bool = True, start: int = 0,
+                 text: str | None = None):
         self.tokenizer = tokenizer
         self.stream = DecodeStream(ids=context_ids[-_PROMPT_CONTEXT:], skip_special_tokens=skip_special_tokens)
-        self.offset = 0
+        self.offset, self.text = start, text
 
     def next(self, token_id: int) -> int:
         at = self.offset
-        self.offset += len(self.stream.step(self.tokenizer, token_id) or "")
+        piece = self.stream.step(self.tokenizer, token_id) or ""
+        if self.text is None or self.text.startswith(piece, at) or not _is_special(self.tokenizer, token_id):
+            self.offset += len(piece)
         return at
+
+
+def _is_special(tokenizer, token_id: int) -> bool:
+    added = tokenizer.get_added_tokens_decoder().get(token_id)
+    return added is not None and added.special
 
 
 @functools.cache

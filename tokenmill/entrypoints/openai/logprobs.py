@@ -8,20 +8,23 @@ from tokenmill.outputs import PositionLogprobs
 
 class CompletionLogprobs:
     """Legacy format: tokens, token_logprobs, top_logprobs, text_offset (offsets into the text).
-    Kept across a stream's chunks (`take` hands out what was added since the last one)."""
+    Kept across a stream's chunks (`take` hands out what was added since the last one). `offsets`:
+    the generated tokens'; `prompt_offsets`: an echoed prompt's, whose text keeps its special tokens."""
 
-    def __init__(self, offsets: TextOffsets):
-        self.offsets = offsets
+    def __init__(self, offsets: TextOffsets, prompt_offsets: TextOffsets | None = None):
+        self.offsets, self.prompt_offsets = offsets, prompt_offsets
         self.tokens: list[str] = []
         self.token_logprobs: list[float | None] = []
         self.top_logprobs: list[dict[str, float] | None] = []
         self.text_offset: list[int] = []
 
-    def add(self, token_ids: list[int], positions: list[PositionLogprobs | None], piece, num_top: int) -> None:
+    def add(self, token_ids: list[int], positions: list[PositionLogprobs | None], piece, num_top: int,
+            prompt: bool = False) -> None:
+        offsets = self.prompt_offsets if prompt else self.offsets
         for tid, pos in zip(token_ids, positions):
             text = piece(tid)
             self.tokens.append(text)
-            self.text_offset.append(self.offsets.next(tid))
+            self.text_offset.append(offsets.next(tid))
             if pos is None:  # the first prompt token has no logprob
                 self.token_logprobs.append(None)
                 self.top_logprobs.append(None)

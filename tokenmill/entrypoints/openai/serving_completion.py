@@ -87,9 +87,14 @@ class CompletionServing(ServingBase):
         return [head + fim.prompt(await ids(p) if isinstance(p, str) else p, after) for p in prompts]
 
     def _logprobs(self, req: CompletionRequest, out: RequestOutput) -> CompletionLogprobs:
-        # offsets into the choice's text: after the prompt's text when it is echoed, else from 0
-        context = [] if req.echo else out.prompt_token_ids
-        return CompletionLogprobs(self.engine.text_offsets(context, req.skip_special_tokens))
+        """Offsets into the choice's text: an echoed prompt's text as sent (its special tokens kept, as
+        `_prompt_text`), then the generated text after it."""
+        ids = out.prompt_token_ids
+        if not req.echo:
+            return CompletionLogprobs(self.engine.text_offsets(ids, req.skip_special_tokens))
+        text = self._prompt_text(out)
+        return CompletionLogprobs(self.engine.text_offsets(ids, req.skip_special_tokens, start=len(text)),
+                                  self.engine.text_offsets([], False, text=text))
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.engine.detokenize(out.prompt_token_ids)
@@ -101,7 +106,7 @@ class CompletionServing(ServingBase):
         if req.logprobs is not None:
             lp = self._logprobs(req, out)
             if req.echo:
-                lp.add(out.prompt_token_ids, out.prompt_logprobs, self.piece, req.logprobs)
+                lp.add(out.prompt_token_ids, out.prompt_logprobs, self.piece, req.logprobs, prompt=True)
             lp.add(tokens, (o.logprobs or [])[:len(tokens)], self.piece, req.logprobs)
             logprobs = lp.take()
         if req.echo:
@@ -135,7 +140,8 @@ class CompletionServing(ServingBase):
                         if req.echo:
                             text = self._prompt_text(out) + text
                             if lp is not None:
-                                lp.add(out.prompt_token_ids, out.prompt_logprobs, self.piece, req.logprobs)
+                                lp.add(out.prompt_token_ids, out.prompt_logprobs, self.piece, req.logprobs,
+                                       prompt=True)
                     if lp is not None:
                         lp.add(tokens, (o.logprobs or [])[:len(tokens)], self.piece, req.logprobs)
                     usage.completion_tokens += len(tokens)
