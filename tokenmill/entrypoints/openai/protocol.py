@@ -64,9 +64,6 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk carries "
                                          "the usage so far.")
 
-    def every_chunk(self) -> bool:
-        return self.include_usage and self.continuous_usage_stats
-
 
 class JsonSchemaFormat(OpenAIModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -142,6 +139,11 @@ class SamplingFields(OpenAIModel):
         param, params = found[0]
         validate(params.spec(), param)
         return params
+
+    def usage_every_chunk(self) -> bool:
+        """vLLM's continuous_usage_stats (with include_usage): the usage so far on every chunk."""
+        o = self.stream_options
+        return o is not None and o.include_usage and o.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
                         default_max_tokens: int | None,

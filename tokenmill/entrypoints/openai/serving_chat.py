@@ -108,7 +108,7 @@ class ChatServing(ServingBase):
         created, usage, first_token, status = int(time.time()), Usage(), None, 200
         started: set[int] = set()
         parsers: dict[int, ToolCallParser] = {}
-        continuous = req.stream_options is not None and req.stream_options.every_chunk()
+        continuous = req.usage_every_chunk()
 
         def chunk(choices, **extra):
             if continuous:

@@ -86,15 +86,14 @@ class CompletionServing(ServingBase):
         after = await ids(req.suffix)
         return [head + fim.prompt(await ids(p) if isinstance(p, str) else p, after) for p in prompts]
 
-    def _logprobs(self, req: CompletionRequest, out: RequestOutput) -> CompletionLogprobs:
-        """Offsets into the choice's text: an echoed prompt's text as sent (its special tokens kept, as
+    def _logprobs(self, req: CompletionRequest, out: RequestOutput, echoed: str | None) -> CompletionLogprobs:
+        """Offsets into the choice's text: the `echoed` prompt's text as sent (its special tokens kept, as
         `_prompt_text`), then the generated text after it."""
         ids = out.prompt_token_ids
-        if not req.echo:
+        if echoed is None:
             return CompletionLogprobs(self.engine.text_offsets(ids, req.skip_special_tokens))
-        text = self._prompt_text(out)
-        return CompletionLogprobs(self.engine.text_offsets(ids, req.skip_special_tokens, start=len(text)),
-                                  self.engine.text_offsets([], False, text=text))
+        return CompletionLogprobs(self.engine.text_offsets(ids, req.skip_special_tokens, start=len(echoed)),
+                                  self.engine.text_offsets([], False, text=echoed))
 
     def _prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.engine.detokenize(out.prompt_token_ids)
@@ -102,15 +101,16 @@ class CompletionServing(ServingBase):
     def _choice(self, req: CompletionRequest, out: RequestOutput, o: CompletionOutput, echo_only: bool, i: int):
         text = "" if echo_only else o.text
         tokens = [] if echo_only else o.token_ids
+        echoed = self._prompt_text(out) if req.echo else None
         logprobs = None
         if req.logprobs is not None:
-            lp = self._logprobs(req, out)
-            if req.echo:
+            lp = self._logprobs(req, out, echoed)
+            if echoed is not None:
                 lp.add(out.prompt_token_ids, out.prompt_logprobs, self.piece, req.logprobs, prompt=True)
             lp.add(tokens, (o.logprobs or [])[:len(tokens)], self.piece, req.logprobs)
             logprobs = lp.take()
-        if req.echo:
-            text = self._prompt_text(out) + text
+        if echoed is not None:
+            text = echoed + text
         choice = {"index": i * req.n + o.index, "text": text, "logprobs": logprobs,
                   "finish_reason": "length" if echo_only else o.finish_reason, "stop_reason": o.stop_reason}
         return choice, len(tokens)
@@ -120,7 +120,7 @@ class CompletionServing(ServingBase):
         created, usage, first_token = int(time.time()), Usage(), None
         started: set[int] = set()
         logprobs: dict[int, CompletionLogprobs] = {}  # by choice: offsets run on across chunks
-        continuous = req.stream_options is not None and req.stream_options.every_chunk()
+        continuous = req.usage_every_chunk()
         status = 200
         try:
             async for i, out in streams:
@@ -130,18 +130,19 @@ class CompletionServing(ServingBase):
                 for o in out.outputs:
                     idx = i * req.n + o.index
                     text, tokens = ("", []) if echo_only else (o.text, o.token_ids)
-                    if req.logprobs is not None and idx not in logprobs:
-                        logprobs[idx] = self._logprobs(req, out)
-                    lp = logprobs.get(idx)
                     if idx not in started:
                         started.add(idx)
                         if o.index == 0:
                             usage.prompt_tokens += len(out.prompt_token_ids)
-                        if req.echo:
-                            text = self._prompt_text(out) + text
-                            if lp is not None:
-                                lp.add(out.prompt_token_ids, out.prompt_logprobs, self.piece, req.logprobs,
-                                       prompt=True)
+                        echoed = self._prompt_text(out) if req.echo else None
+                        if req.logprobs is not None:
+                            logprobs[idx] = self._logprobs(req, out, echoed)
+                            if echoed is not None:
+                                logprobs[idx].add(out.prompt_token_ids, out.prompt_logprobs, self.piece,
+                                                  req.logprobs, prompt=True)
+                        if echoed is not None:
+                            text = echoed + text
+                    lp = logprobs.get(idx)
                     if lp is not None:
                         lp.add(tokens, (o.logprobs or [])[:len(tokens)], self.piece, req.logprobs)
                     usage.completion_tokens += len(tokens)
