@@ -152,7 +152,8 @@ class QuantizationConfig:
                                     "residual: products as exact as fp32), 8 (as llama.cpp: half the integer work) "
                                     "or auto (8 for the kinds of layer (qkv, o, gate_up, down, LM head) whose codes "
                                     "together change the expected perplexity (e^KL - 1) by at most 0.15% against "
-                                    "16-bit ones on built-in text, once per model and cached; 16 for the rest).",
+                                    "16-bit ones on built-in text, some with their outlier channels left out of the "
+                                    "codes and added exactly; once per model and cached; 16 for the rest).",
                                     "auto",
                                     choices=["auto", "8", "16"])
     quant_dense_min_rows: int | str | None = opt("Rows from which a quantized layer dequantizes its weight slab by "

@@ -70,10 +70,9 @@ class FusedDecode:
             if a.qkv_proj.bias is not None:
                 tensors.append(a.qkv_proj.bias.data.float())  # qlinear adds it in fp32: convert once
             for lin in (a.qkv_proj, a.o_proj, ly.mlp.gate_up_proj, ly.mlp.down_proj):
-                self.ints += [lin.method.dense_min_rows, lin.method.act_bits, len(lin.q_views)]
-                for view, qt, rows in zip(lin.q_views, lin.method.qtypes, lin.q_rows):
-                    tensors.append(view)
-                    self.ints += [qt, rows]
+                more_tensors, more_ints = lin.method.plan_lists(lin)
+                tensors += more_tensors
+                self.ints += more_ints
         attn = layers[0].self_attn
         self.plan = plan_class(tensors, self.ints, len(layers), attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                layers[0].input_layernorm.eps, attn.scale, f"{methods[0].ops.name}::qlinear",

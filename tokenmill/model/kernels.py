@@ -33,10 +33,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "elementwise.cpp",
                                                                     "decode_layers.cpp", "sampling.cpp",
                                                                     "draft_loop.cpp", "prefill_attention.cpp")]
-_HEADERS = tuple(Path(__file__).parent / "csrc" / h
-                 for h in ("paged_attention_avx2.h", "paged_attention_avx512.h", "paged_attention_keys.h",
-                           "paged_attention_values.h", "paged_attention_tasks.h", "bf16_zmm.h",
-                           "paged_attention_shares.h"))
+_HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))  # all: a hand-kept list can miss one
 _NAME = "tokenmill_cpu_kernels"
 _OPS = ("paged_decode_attention", "paged_decode_attention_scaled", "rms_norm", "silu_and_mul", "rotary_embedding",
         "argmax_rows", "argmax_prob_rows", "prefill_attention")

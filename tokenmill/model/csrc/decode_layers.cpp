@@ -20,7 +20,8 @@
 namespace tm_layers {
 
 using QLinearFn = void(at::Tensor, const at::Tensor&, std::vector<at::Tensor>, at::IntArrayRef, at::IntArrayRef,
-                       const std::optional<at::Tensor>&, int64_t, int64_t);
+                       const std::optional<at::Tensor>&, int64_t, int64_t, const std::optional<at::Tensor>&,
+                       const std::optional<at::Tensor>&);
 // quant_kv.cpp's ops, in the per-ISA library like qlinear: a quantized cache's write and portable decode
 using KVWriteFn = void(const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                        const at::Tensor&);
@@ -32,6 +33,29 @@ struct Packed {
   std::vector<at::Tensor> w;
   std::vector<int64_t> qtypes, rows;
   int64_t out = 0, dense_min_rows = 0, act_bits = 16;
+  std::optional<at::Tensor> outlier_cols, outlier_w;  // 8-bit codes' outlier channels (quant_outliers.h)
+
+  // From flat lists: ints dense_min_rows, act_bits, has outliers, n, then n (qtype, rows); tensors
+  // [outlier cols, outlier w], then the n shards.
+  template <typename Int, typename Tensor>
+  static Packed read(Int integer, Tensor tensor) {
+    Packed p;
+    p.dense_min_rows = integer();
+    p.act_bits = integer();
+    if (integer()) p.outlier_cols = tensor(), p.outlier_w = tensor();
+    for (int64_t s = 0, n = integer(); s < n; ++s) {
+      p.w.push_back(tensor());
+      p.qtypes.push_back(integer());
+      p.rows.push_back(integer());
+      p.out += p.rows.back();
+    }
+    return p;
+  }
+
+  void call(const c10::TypedOperatorHandle<QLinearFn>& op, at::Tensor& y, const at::Tensor& x,
+            const std::optional<at::Tensor>& bias) const {
+    op.call(y, x, w, qtypes, rows, bias, dense_min_rows, act_bits, outlier_cols, outlier_w);
+  }
 };
 
 // The first n values of each row of src (contiguous rows) into dst's rows, back to back.
@@ -94,10 +118,10 @@ struct DecodePlan : torch::CustomClassHolder {
   std::optional<c10::TypedOperatorHandle<KVWriteFn>> kv_write;
   std::optional<c10::TypedOperatorHandle<KVDecodeFn>> kv_decode;
 
-  // ints per layer: has_bias, then per linear (qkv, o, gate_up, down): dense_min_rows, act_bits (each
-  // kind has its own: act_bits.py), n, then n (qtype, rows); tensors per layer: in_norm, post_norm,
-  // k_cache, v_cache, k_scale, v_scale (empty for a plain cache, or a bf16 one under fp32), [qkv bias],
-  // shards in order.
+  // ints per layer: has_bias, then per linear (qkv, o, gate_up, down) Packed::read's (act_bits: each
+  // kind has its own, act_bits.py); tensors per layer: in_norm, post_norm, k_cache, v_cache, k_scale,
+  // v_scale (empty for a plain cache, or a bf16 one under fp32), [qkv bias], then per linear
+  // Packed::read's.
   DecodePlan(std::vector<at::Tensor> t, std::vector<int64_t> ints, int64_t num_layers, int64_t num_heads,
              int64_t num_kv_heads, int64_t head_dim, double eps_, double scale_, std::string qlinear_name,
              std::string kv_ops)
@@ -117,18 +141,7 @@ struct DecodePlan : torch::CustomClassHolder {
       TORCH_CHECK(ii < ints.size(), "DecodePlan: fewer ints than the layers need");
       return ints[ii++];
     };
-    auto linear = [&] {
-      Packed p;
-      p.dense_min_rows = integer();
-      p.act_bits = integer();
-      for (int64_t s = 0, n = integer(); s < n; ++s) {
-        p.w.push_back(tensor());
-        p.qtypes.push_back(integer());
-        p.rows.push_back(integer());
-        p.out += p.rows.back();
-      }
-      return p;
-    };
+    auto linear = [&] { return Packed::read(integer, tensor); };
     const int64_t q_size = H * D, kv_size = Hkv * D;
     for (int64_t i = 0; i < num_layers; ++i) {
       Layer ly;
@@ -161,7 +174,7 @@ struct DecodePlan : torch::CustomClassHolder {
                 "decode_layers: the KV cache's dtype does not match the plan");
     auto qlinear = [&](at::Tensor& y, const Packed& p, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
       if (!y.defined() || y.size(1) != p.out) y = at::empty({x.size(0), p.out}, x.options());
-      qlinear_op.call(y, x, p.w, p.qtypes, p.rows, bias, p.dense_min_rows, p.act_bits);
+      p.call(qlinear_op, y, x, bias);
     };
     const int64_t T_ = hidden.size(0), q_size = H * D, kv_size = Hkv * D;
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();

@@ -27,7 +27,7 @@ struct DraftLoop : torch::CustomClassHolder {
   c10::TypedOperatorHandle<tm_layers::QLinearFn> head_qlinear;
   c10::TypedOperatorHandle<EmbeddingFn> embedding_op;
 
-  // head_ints: dense_min_rows, act_bits, then (qtype, rows) per shard of head_weights
+  // head_ints and head_weights: the head's Packed::read lists
   DraftLoop(c10::intrusive_ptr<tm_layers::DecodePlan> plan_, at::Tensor embed_, int64_t embed_qtype_,
             std::string embedding_name, at::Tensor norm_, double eps_, std::vector<at::Tensor> head_weights,
             std::vector<int64_t> head_ints, std::string qlinear_name, at::Tensor vocab_ids_, at::Tensor cos_,
@@ -35,14 +35,17 @@ struct DraftLoop : torch::CustomClassHolder {
       : plan(std::move(plan_)), embed(embed_), norm(norm_), cos(cos_), sin(sin_), vocab_ids(vocab_ids_),
         embed_qtype(embed_qtype_), block_size(block_size_), eps(eps_),
         head_qlinear(find<tm_layers::QLinearFn>(qlinear_name)), embedding_op(find<EmbeddingFn>(embedding_name)) {
-    TORCH_CHECK(head_ints.size() == 2 + 2 * head_weights.size(), "DraftLoop: one (qtype, rows) per head shard");
-    head.dense_min_rows = head_ints[0], head.act_bits = head_ints[1];
-    for (size_t s = 0; s < head_weights.size(); ++s) {
-      head.w.push_back(head_weights[s]);
-      head.qtypes.push_back(head_ints[2 + 2 * s]);
-      head.rows.push_back(head_ints[3 + 2 * s]);
-      head.out += head.rows.back();
-    }
+    size_t ii = 0, ti = 0;
+    head = tm_layers::Packed::read(
+        [&] {
+          TORCH_CHECK(ii < head_ints.size(), "DraftLoop: fewer head ints than its shards need");
+          return head_ints[ii++];
+        },
+        [&] {
+          TORCH_CHECK(ti < head_weights.size(), "DraftLoop: fewer head tensors than its shards need");
+          return head_weights[ti++];
+        });
+    TORCH_CHECK(ii == head_ints.size() && ti == head_weights.size(), "DraftLoop: head lists longer than its shards");
     TORCH_CHECK(vocab_ids.numel() == 0 || (vocab_ids.numel() == head.out && vocab_ids.scalar_type() == at::kLong),
                 "DraftLoop: one int64 token id per head row");
   }
@@ -117,8 +120,7 @@ struct DraftLoop : torch::CustomClassHolder {
         hidden = last;
       }
       at::Tensor logits = at::empty({hidden.size(0), head.out}, hidden.options().dtype(at::kFloat));
-      head_qlinear.call(logits, hidden, head.w, head.qtypes, head.rows, std::nullopt, head.dense_min_rows,
-                        head.act_bits);
+      head.call(head_qlinear, logits, hidden, std::nullopt);
       auto [picked, prob] = tm_sampling::argmax_prob_rows(logits);
       const int64_t* pk = picked.data_ptr<int64_t>();
       const float* pr = prob.data_ptr<float>();

@@ -61,7 +61,7 @@ constexpr int64_t kRowBlockBytes = 128 << 10;
 
 template <typename TX, typename TO>
 void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& shards, TO* out, int64_t ldo,
-                  const float* bias, bool fine) {
+                  const float* bias, bool fine, Outliers& ol) {
   // 8-bit codes for K-quants only: power-of-two chunk scales within each super-block (quant_act.h;
   // every ISA path multiplies the same codes; AVX-512, and AVX2 for Q4_K / Q5_K, apply the sub-block
   // scales in integers)
@@ -73,12 +73,14 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
   std::unique_ptr<uint8_t[]> act(new uint8_t[M * arb + 64]);
   uint8_t* abase = act.get() + (64 - reinterpret_cast<uintptr_t>(act.get()) % 64) % 64;
   // row by row on both threads from two rows: a long row (K = 8960) takes ~10 us
+  if (ol.n) ol.gather(x, M, K);
   at::parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) quantize_row(x + m * K, K, abase + m * arb, fine, sb, q16);
+    std::vector<TX> buf;
+    for (int64_t m = b; m < e; ++m) quantize_row(ol.row_without(x + m * K, K, buf), K, abase + m * arb, fine, sb, q16);
   });
   std::vector<ActRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = act_row(abase + m * arb, K, q16);
-  if constexpr (kZmm) return qgemm_pairs(rows.data(), M, K, shards, out, ldo, bias, fine, sb);
+  if constexpr (kZmm) return qgemm_pairs(rows.data(), M, K, shards, out, ldo, bias, fine, sb, ol);
   // Rows in passes of up to 8 over each decoded chunk (4 with 16-bit codes, whose two sums a row
   // would spill), as even as they go: a pass of one row ran at ~60% of the rate of a pass of four
   // (5 rows as 4 + 1 cost 1.4x 4 rows; as one pass, 1.1x).
@@ -128,9 +130,11 @@ void qgemm_native(const TX* x, int64_t M, int64_t K, const std::vector<Shard>& s
           if (!sb || !group_dot_rows_sb(sh.qtype, group, K, &rows[m0], mr, res, pf))
             group_dot_rows(sh.qtype, group, K, &rows[m0], mr, fine, res, pf);
           const int64_t col = sh.first + gi * 8;
-          for (int64_t m = 0; m < mr; ++m)
+          for (int64_t m = 0; m < mr; ++m) {
+            if (ol.n) ol.add<8>(res[m], m0 + m, col);
             for (int r = 0; r < nr; ++r)
               out[(m0 + m) * ldo + col + r] = static_cast<TO>(res[m][r] + (bias ? bias[col + r] : 0.f));
+          }
         }
       }
     }
@@ -148,7 +152,8 @@ void dequant_shard(const Shard& sh, int64_t K, int64_t r0, int64_t r1, T* dst) {
 // out: [M, N] (float, or x's dtype); x: [M, K] float or bf16. With M >= dense_min_rows > 0, W is
 // dequantized slab by slab and multiplied by the dense GEMM instead of the packed kernel.
 void qlinear(at::Tensor out, const at::Tensor& x, std::vector<at::Tensor> weights, at::IntArrayRef qtypes,
-             at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t dense_min_rows, int64_t act_bits) {
+             at::IntArrayRef rows, const std::optional<at::Tensor>& bias, int64_t dense_min_rows, int64_t act_bits,
+             const std::optional<at::Tensor>& outlier_cols, const std::optional<at::Tensor>& outlier_w) {
   TORCH_CHECK(act_bits == 8 || act_bits == 16, "qlinear: act_bits must be 8 or 16");
   const bool fine = act_bits == 16;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous(), "qlinear: layout");
@@ -180,11 +185,12 @@ void qlinear(at::Tensor out, const at::Tensor& x, std::vector<at::Tensor> weight
     bias_f = bias->to(at::kFloat).contiguous();
   }
   const float* bp = bias ? bias_f.data_ptr<float>() : nullptr;
+  Outliers ol = fine ? Outliers{} : Outliers::from(outlier_cols, outlier_w, N, K);  // 16-bit codes: exact already
   auto run = [&](auto xtag) {
     using TX = decltype(xtag);
     switch (out.scalar_type()) {
-      case at::kFloat: qgemm_native(x.data_ptr<TX>(), M, K, shards, out.data_ptr<float>(), N, bp, fine); break;
-      case at::kBFloat16: qgemm_native(x.data_ptr<TX>(), M, K, shards, out.data_ptr<at::BFloat16>(), N, bp, fine); break;
+      case at::kFloat: qgemm_native(x.data_ptr<TX>(), M, K, shards, out.data_ptr<float>(), N, bp, fine, ol); break;
+      case at::kBFloat16: qgemm_native(x.data_ptr<TX>(), M, K, shards, out.data_ptr<at::BFloat16>(), N, bp, fine, ol); break;
       default: TORCH_CHECK(false, "qlinear: out must be float or bf16");
     }
   };
@@ -272,7 +278,7 @@ std::string variant() {
 
 TM_LIBRARY(TM_QUANT_NS, m) {
   m.def("qlinear(Tensor(a!) out, Tensor x, Tensor[] weights, int[] qtypes, int[] rows, Tensor? bias, "
-        "int dense_min_rows, int act_bits=8) -> ()");
+        "int dense_min_rows, int act_bits=8, Tensor? outlier_cols=None, Tensor? outlier_w=None) -> ()");
   m.def("repack(Tensor w, int qtype, int N, int K) -> Tensor");
   m.def("repack_into(Tensor(a!) out, Tensor w, int qtype, int N, int K) -> ()");
   m.def("x8_bytes(int qtype, int N, int K) -> int", &x8_bytes);

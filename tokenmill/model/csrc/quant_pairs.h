@@ -13,6 +13,7 @@
 
 #include "quant_act.h"
 #include "quant_dequant.h"
+#include "quant_outliers.h"
 
 namespace TM_QUANT_NS {
 
@@ -41,7 +42,7 @@ inline void store_item_row(TO* dst, const float* res, const float* bias, int nr)
 // sb: every shard is a K-quant and the rows have one scale per 256 (quant_gemm_sb.cpp).
 template <typename TO>
 void qgemm_pairs(const ActRow* rows, int64_t M, int64_t K, const std::vector<Shard>& shards, TO* out, int64_t ldo,
-                 const float* bias, bool fine, bool sb) {
+                 const float* bias, bool fine, bool sb, const Outliers& ol) {
   std::vector<int64_t> starts{0};
   for (const Shard& s : shards) starts.push_back(starts.back() + (s.rows + 15) / 16);
   // the two groups of work item `item` (a lone last group runs twice)
@@ -97,7 +98,10 @@ void qgemm_pairs(const ActRow* rows, int64_t M, int64_t K, const std::vector<Sha
           const uint8_t* tile = tbase + tile_bytes(m0, K, fine);
           if (sb) pair_dot_sb(sh.qtype, g0, g1, K, tile, mr, t == t0 ? pf : none, res);
           else pair_dot(sh.qtype, g0, g1, K, tile, mr, fine, t == t0 ? pf : none, res);
-          for (int m = 0; m < mr; ++m) store_item_row(out + (m0 + m) * ldo + col, res[m], bias ? bias + col : nullptr, nr);
+          for (int m = 0; m < mr; ++m) {
+            if (ol.n) ol.add<16>(res[m], m0 + m, col);
+            store_item_row(out + (m0 + m) * ldo + col, res[m], bias ? bias + col : nullptr, nr);
+          }
         }
       }
       t0 = t1;

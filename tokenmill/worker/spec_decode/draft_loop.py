@@ -42,11 +42,9 @@ class FusedDraftLoop:
                 and type(embed.method).embed is PackedLinearMethod.embed
                 and inner.norm.weight.dtype in (torch.bfloat16, torch.float32)):
             return None
-        ints = [head.method.dense_min_rows, head.method.act_bits]
-        for qt, rows in zip(head.method.qtypes, head.q_rows):
-            ints += [qt, rows]
+        head_tensors, head_ints = head.method.plan_lists(head)
         ids = self.vocab_ids if self.vocab_ids is not None else torch.empty(0, dtype=torch.long)
         embedding, qlinear = f"{embed.method.ops.name}::embedding", f"{head.method.ops.name}::qlinear"
         return torch.classes.tokenmill.DraftLoop(
             fused.plan, embed.weight.data, embed.method.qtypes[0], embedding, inner.norm.weight.data, inner.norm.eps,
-            list(head.q_views), ints, qlinear, ids, inner.rotary.cos, inner.rotary.sin, self.block_size)
+            head_tensors, head_ints, qlinear, ids, inner.rotary.cos, inner.rotary.sin, self.block_size)

@@ -48,6 +48,8 @@ class ReducedLMHead(nn.Module):
             self.q_offsets = [0, packed.numel()]
             self.weight = nn.Parameter(packed.reshape(-1), requires_grad=False)
             self.method.process_raw_rows(self)
+            cols, _ = head.method.outliers(head)  # the full head's outlier channels (act_bits.py)
+            self.method.set_outliers(self, None if cols is None else cols.tolist())
         else:
             self.method = UnquantizedLinearMethod()
             self.weight = nn.Parameter(rows.contiguous(), requires_grad=False)

@@ -13,7 +13,9 @@ and lm_head) on 512 tokens of built-in text (calibration.py), as the expected pe
 `llama-perplexity --kl-divergence`; the reference's top 256 tokens and the rest lumped into one):
 - every kind at 8 bits when that is within `MAX_CHANGE`;
 - else each kind alone at 8 bits, then, from the least harmful, each kind added to those kept while
-  the change of the whole set stays within `MAX_CHANGE`; the rest keep 16.
+  the change of the whole set stays within `MAX_CHANGE`;
+- then each kind left, with its layers' outlier channels (outlier_channels.py: a few columns left out
+  of the codes and added back exactly, found in the reference pass), added the same way; the rest keep 16.
 Not the perplexity of those 512 tokens: which way each code rounds is a coin toss that moves it by
 tenths of a percent. Measured at load and again after the engine had swapped in its fused norm
 kernels (a 1e-5 change of the 16-bit perplexity), SmolLM2 with every kind at 8 bits cost +0.69% and
@@ -42,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tokenmill.model.layers.quantization import outlier_channels
 from tokenmill.model.layers.quantization.packed import PackedLinearMethod
 from tokenmill.model.loader.cache import VerdictFile
 
@@ -51,8 +54,9 @@ MAX_CHANGE = 0.0015  # expected relative perplexity change (e^KL - 1) allowed fo
 TOP = 256  # the reference's most likely tokens kept per position; the rest is one lumped outcome
 # what 8-bit codes are and how a verdict reads; one measured on other codes is measured again.
 # 2: power-of-two chunk scales under each 256-value super-block for K-quant weights (csrc/quant_act.h),
-# per 32 for the rest; 3: the bits chosen per layer kind; 4: measured by KL divergence.
-CODES = 4
+# per 32 for the rest; 3: the bits chosen per layer kind; 4: measured by KL divergence; 5: 8-bit codes
+# with outlier channels (outlier_channels.py).
+CODES = 5
 VERDICTS = VerdictFile("act_bits.json")
 
 
@@ -150,51 +154,77 @@ class _Trial:
 
     def __init__(self, model: torch.nn.Module, ids: list[int]) -> None:
         self.model, self.ids, self.kinds = model, ids, methods_by_kind(model)
-        with self._codes(set()):
+        self.layers = outlier_channels.packed_layers(model)
+        with self._codes(set(), set()), outlier_channels.scores(model) as found:
             self.reference = [lp.topk(min(TOP, lp.shape[-1]), -1) for lp in _log_probs(model, ids)]
+        self.channels = outlier_channels.choose(found)  # per layer name, whichever kind's codes they serve
+        self._outliers: dict[str, tuple] | None = None  # their W columns, made on first use
+
+    def layer_channels(self, kinds: set[str]) -> dict[str, list[int]]:
+        return {name: cols for name, cols in self.channels.items() if name.rsplit(".", 1)[-1] in kinds}
 
     @contextlib.contextmanager
-    def _codes(self, eight: set[str]) -> Iterator[None]:
+    def _codes(self, eight: set[str], channels: set[str]) -> Iterator[None]:
         methods = [(kind, m) for kind, ms in self.kinds.items() for m in ms]
         saved = [(m.dense_min_rows, m.act_bits) for _, m in methods]
+        if channels and self._outliers is None:
+            outlier_channels.apply_channels(self.model, self.channels)
+            self._outliers = {name: layer.q_outliers for name, layer in self.layers.items()}
         try:
             for kind, m in methods:  # the packed kernel at every row count
                 m.dense_min_rows, m.act_bits = 0, 8 if kind in eight else 16
+            for name, layer in self.layers.items():
+                layer.q_outliers = self._outliers.get(name) if name.rsplit(".", 1)[-1] in channels else None
             yield
         finally:
             for (_, m), (rows, bits) in zip(methods, saved):
                 m.dense_min_rows, m.act_bits = rows, bits
 
-    def change(self, eight: set[str]) -> float:
-        with self._codes(eight):
+    def change(self, eight: set[str], channels: set[str]) -> float:
+        with self._codes(eight, channels):
             kl = sum(lumped_kl(top.values, top.indices, lp).sum().item()
                      for top, lp in zip(self.reference, _log_probs(self.model, self.ids), strict=True))
         return math.expm1(kl / (len(self.ids) - 1))
 
 
-def choose_kinds(kinds: list[str], change: Callable[[set[str]], float]) -> dict:
-    """The verdict: bits per kind, the chosen set's change and the measurements that led there.
-    change(kinds): the (expected) perplexity change with those kinds at 8 bits."""
-    every = change(set(kinds))
+def choose_kinds(kinds: list[str], change: Callable[[set[str], set[str]], float]) -> dict:
+    """The verdict: bits per kind, the kinds whose 8-bit codes take their outlier channels, the chosen
+    set's change and the measurements that led there. change(eight, channels): the (expected) perplexity
+    change with the kinds `eight` at 8 bits, those in `channels` with their outlier channels.
+    Plain 8-bit codes cost the least; channels ~1-8% more (BENCHMARKS.md); 16-bit codes twice:
+    - every kind at plain 8 bits when that is within `MAX_CHANGE`;
+    - else each kind alone at plain 8 bits, then, from the least harmful, each kind added to those kept
+      while the set stays within `MAX_CHANGE`;
+    - then each kind left, with its outlier channels, added the same way; the rest keep 16."""
+    every = change(set(kinds), set())
     if every <= MAX_CHANGE:
-        return {"bits": {k: 8 for k in kinds}, "change": every, "every_kind_change": every}
-    alone = {k: change({k}) for k in kinds}
+        return {"bits": {k: 8 for k in kinds}, "channels": [], "change": every, "every_kind_change": every}
+    alone = {k: change({k}, set()) for k in kinds}
     kept: set[str] = set()
+    with_channels: set[str] = set()
     kept_change, steps = 0.0, []
     for kind in sorted(kinds, key=alone.get):
         if alone[kind] > MAX_CHANGE:
             break
-        c = alone[kind] if not kept else change(kept | {kind})
+        c = alone[kind] if not kept else change(kept | {kind}, set())
         steps.append([kind, c])  # the change of the kinds kept so far with this one
         if c <= MAX_CHANGE:
             kept, kept_change = kept | {kind}, c
-    return {"bits": {k: 8 if k in kept else 16 for k in kinds}, "change": kept_change, "every_kind_change": every,
-            "alone": alone, "steps": steps}
+    for kind in sorted(set(kinds) - kept, key=alone.get):
+        c = change(kept | {kind}, with_channels | {kind})
+        steps.append([kind + "+channels", c])
+        if c <= MAX_CHANGE:
+            kept, with_channels, kept_change = kept | {kind}, with_channels | {kind}, c
+    return {"bits": {k: 8 if k in kept else 16 for k in kinds}, "channels": sorted(with_channels),
+            "change": kept_change, "every_kind_change": every, "alone": alone, "steps": steps}
 
 
 def _valid(entry) -> bool:
     bits = entry.get("bits") if isinstance(entry, dict) else None
-    return bits in (8, 16) or (isinstance(bits, dict) and all(b in (8, 16) for b in bits.values()))
+    channels = entry.get("channels", {}) if isinstance(entry, dict) else None
+    return (bits in (8, 16) or (isinstance(bits, dict) and all(b in (8, 16) for b in bits.values()))) and (
+        isinstance(channels, dict) and all(isinstance(c, list) and all(isinstance(i, int) for i in c)
+                                           for c in channels.values()))
 
 
 def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibration_ids) -> dict[str, int]:
@@ -223,6 +253,7 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
         with fp32_activations(model) if in_fp32 else contextlib.nullcontext():
             trial = _Trial(model, ids)
             verdict = choose_kinds(sorted(kinds), trial.change)
+        verdict["channels"] = trial.layer_channels(set(verdict["channels"]))  # by layer name
         entry = {**verdict, "tokens": len(ids), "seconds": round(time.perf_counter() - t0, 2)}
         # gone models, and older verdicts of this model and dtype: dropped
         prefix = key.split("|codes", 1)[0] + "|"
@@ -230,11 +261,13 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
     bits = entry["bits"] if isinstance(entry["bits"], dict) else {k: entry["bits"] for k in kinds}
     bits = {k: bits.get(k, 16) for k in kinds}
     set_act_bits(model, bits)
+    channels = outlier_channels.apply_channels(model, entry.get("channels", {}))
     eight = sorted(k for k, b in bits.items() if b == 8)
     what = ("8-bit" if len(eight) == len(bits) else "16-bit" if not eight else
             f"8-bit for {', '.join(eight)}, 16-bit for {', '.join(sorted(set(bits) - set(eight)))}")
-    logger.info("activation codes: %s (expected perplexity change against 16-bit codes, e^KL - 1 on %d tokens of "
-                "built-in text: %+.3f%% with these, %+.3f%% with 8 bits everywhere; limit %+.2f%%%s%s)", what,
+    logger.info("activation codes: %s, %d outlier channels left out of 8-bit codes (expected perplexity change "
+                "against 16-bit codes, e^KL - 1 on %d tokens of built-in text: %+.3f%% with these, %+.3f%% with 8 bits "
+                "everywhere; limit %+.2f%%%s%s)", what, channels,
                 entry["tokens"], 100 * entry["change"], 100 * entry.get("every_kind_change", entry["change"]),
                 100 * MAX_CHANGE,
                 "; cached" if cached else f"; {entry['seconds']}s",

@@ -112,6 +112,7 @@ class PackedLinearMethod(LinearMethod):
                                     requires_grad=False)
         layer.weight.weight_loader = self._loader(layer)
         layer.q_views = None
+        layer.q_outliers = None
 
     def narrow_columns(self, layer, loaded, start, size, shard_id=None):
         """Raw rows [rows, bytes]: the bytes of whole blocks (the QuantConfig chose a dense method
@@ -169,8 +170,45 @@ class PackedLinearMethod(LinearMethod):
             x = x.contiguous()
         out = torch.empty(x.shape[0], layer.q_out, dtype=out_dtype or x.dtype)
         dense = 0 if layer.row_tile is not None else self.dense_min_rows
-        self.ops.qlinear(out, x, layer.q_views, self.qtypes, layer.q_rows, bias, dense, self.act_bits)
+        self.ops.qlinear(out, x, layer.q_views, self.qtypes, layer.q_rows, bias, dense, self.act_bits,
+                         *self.outliers(layer))
         return out
+
+    def outliers(self, layer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The outlier channels qlinear takes with 8-bit codes (csrc/quant_outliers.h): (columns, W's
+        columns as [n, out + 16] fp32), or (None, None)."""
+        found = getattr(layer, "q_outliers", None)
+        return found if found is not None and self.act_bits == 8 else (None, None)
+
+    def set_outliers(self, layer, columns: list[int] | None) -> None:
+        """Leaves these input columns out of the 8-bit codes of `layer`'s products and adds them back
+        exactly, from W's columns dequantized here a slab of rows at a time (act_bits.py)."""
+        if not columns:
+            layer.q_outliers = None
+            return
+        cols = torch.tensor(sorted(columns), dtype=torch.long)
+        w = torch.zeros(len(cols), layer.q_out + 16)
+        first, slab = 0, 4096  # rows: a multiple of the x8 layout's groups of 8
+        for view, qt, n in zip(layer.q_views, self.qtypes, layer.q_rows):
+            group = self.ops.x8_bytes(qt, 8, layer.q_in)
+            for r0 in range(0, n, slab):
+                r1 = min(n, r0 + slab)
+                dense = torch.empty(r1 - r0, layer.q_in)
+                self.ops.dequantize(dense, view[r0 // 8 * group:(r1 + 7) // 8 * group], qt, layer.q_in)
+                w[:, first + r0:first + r1] = dense[:, cols].t()
+            first += n
+        layer.q_outliers = (cols, w)
+
+    def plan_lists(self, layer) -> tuple[list[torch.Tensor], list[int]]:
+        """What decode_layers.cpp's Packed::read takes for this layer: the tensors and the ints of its
+        qlinear calls."""
+        cols, w = self.outliers(layer)
+        tensors = [] if cols is None else [cols, w]
+        ints = [self.dense_min_rows, self.act_bits, int(cols is not None), len(layer.q_views)]
+        for view, qt, rows in zip(layer.q_views, self.qtypes, layer.q_rows):
+            tensors.append(view)
+            ints += [qt, rows]
+        return tensors, ints
 
     def embed(self, layer, ids, dtype):
         out = torch.empty(ids.shape[0], layer.q_in, dtype=dtype, device=ids.device)
