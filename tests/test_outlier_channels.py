@@ -91,6 +91,25 @@ def test_a_row_with_outliers_gets_what_it_gets_alone(variant, name):
         assert torch.equal(out, single[:m]), f"{m} rows"
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_outliers_over_merged_shards_of_different_types(variant):
+    """A merged product (qkv: shards of several formats, the second starting at output 45, not a
+    multiple of 8 or 16) takes each output's own column of W."""
+    ops, qt, packed, dense, x, cols = _case(variant, "Q4_1", rows=45, seed=2)
+    _, qt2, packed2, dense2, _, _ = _case(variant, "Q8_0", rows=30, seed=3)
+    k = x.shape[1]
+    assert dense2.shape[1] == k
+    both = torch.cat([dense, dense2])
+    cols, w = _outliers(both, cols)
+    got, zeroed = torch.empty(len(x), 75), torch.empty(len(x), 75)
+    ops.qlinear(got, x, [packed, packed2], [qt, qt2], [45, 30], None, 0, 8, cols, w)
+    x0 = x.clone()
+    x0[:, cols] = 0
+    ops.qlinear(zeroed, x0, [packed, packed2], [qt, qt2], [45, 30], None, 0, 8)
+    expected = zeroed.double() + x[:, cols].double() @ both[:, cols].double().t()
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 def test_bad_outlier_arguments_are_refused():
     ops, qt, packed, dense, x, cols = _case(VARIANTS[0], "Q4_1")
     rows = dense.shape[0]

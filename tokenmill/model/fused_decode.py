@@ -43,6 +43,7 @@ class FusedDecode:
 
         self.layers = layers
         self.usable = False
+        self.settings_version = PackedLinearMethod.settings_version  # the codes and channels copied below
         self.first_cache = layers[0].self_attn.kv_cache if layers else None  # rebuilt when it is rebound
         plan_class = _plan_class()
         linears = [lin for ly in layers for lin in (ly.self_attn.qkv_proj, ly.self_attn.o_proj,
@@ -80,9 +81,11 @@ class FusedDecode:
         self.usable = True
 
     def stale(self) -> bool:
-        """The KV cache was reallocated since (its views are held here). allocate_kv_cache binds every
-        layer's cache at once, so the first layer's tells."""
-        return bool(self.layers) and self.layers[0].self_attn.kv_cache is not self.first_cache
+        """The KV cache was reallocated since (its views are held here), or a packed layer's codes or
+        outlier channels changed (the plan holds copies). allocate_kv_cache binds every layer's cache at
+        once, so the first layer's tells."""
+        return (bool(self.layers) and self.layers[0].self_attn.kv_cache is not self.first_cache
+                or self.settings_version != PackedLinearMethod.settings_version)
 
     def applies(self, x: torch.Tensor, meta) -> bool:
         from tokenmill.model.attention.cpu_paged import PagedDecodes

@@ -26,7 +26,7 @@ A bf16 model is measured with fp32 activations where it can be (every bf16 tenso
 or a bias's vector, as with GGUF files run natively): bf16's own rounding would count in the divergence.
 The verdict is kept in the cache folder, keyed by the weight files' size and time, the dtype measured in
 and the codes (`CODES`), so a model pays the measurement (2 passes over the text where every kind takes 8
-bits, ~11 for SmolLM2: ~1 s a pass on 2 cores) once. With tensor or pipeline parallelism no rank
+bits, ~13 for SmolLM2: ~1 s a pass on 2 cores) once. With tensor or pipeline parallelism no rank
 can run the whole model alone: 16 bits without measuring. A model with near-uniform predictions
 (random weights) hardly moves its distributions whatever its products do, so tests of the products
 themselves pin the bits.
@@ -170,6 +170,7 @@ class _Trial:
         if channels and self._outliers is None:
             outlier_channels.apply_channels(self.model, self.channels)
             self._outliers = {name: layer.q_outliers for name, layer in self.layers.items()}
+        saved_outliers = {name: getattr(layer, "q_outliers", None) for name, layer in self.layers.items()}
         try:
             for kind, m in methods:  # the packed kernel at every row count
                 m.dense_min_rows, m.act_bits = 0, 8 if kind in eight else 16
@@ -179,6 +180,8 @@ class _Trial:
         finally:
             for (_, m), (rows, bits) in zip(methods, saved):
                 m.dense_min_rows, m.act_bits = rows, bits
+            for name, layer in self.layers.items():
+                layer.q_outliers = saved_outliers[name]
 
     def change(self, eight: set[str], channels: set[str]) -> float:
         with self._codes(eight, channels):
@@ -223,8 +226,9 @@ def _valid(entry) -> bool:
     bits = entry.get("bits") if isinstance(entry, dict) else None
     channels = entry.get("channels", {}) if isinstance(entry, dict) else None
     return (bits in (8, 16) or (isinstance(bits, dict) and all(b in (8, 16) for b in bits.values()))) and (
-        isinstance(channels, dict) and all(isinstance(c, list) and all(isinstance(i, int) for i in c)
-                                           for c in channels.values()))
+        isinstance(channels, dict) and all(
+            isinstance(c, list) and len(c) <= outlier_channels.MAX_CHANNELS and len(set(c)) == len(c)
+            and all(isinstance(i, int) and i >= 0 for i in c) for c in channels.values()))
 
 
 def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibration_ids) -> dict[str, int]:

@@ -80,6 +80,10 @@ def default_dense_min_rows(act_bits: int | str = 16, qtype: int | None = None) -
 class PackedLinearMethod(LinearMethod):
     """Weights stored packed in `qtypes` (one format per shard)."""
 
+    # bumped whenever any layer's codes or outlier channels change: plans that copied them (the fused
+    # decode layers, the draft loop) are rebuilt
+    settings_version = 0
+
     def __init__(self, qtypes: list[int], dense_min_rows: int | None = None, act_bits: int | str = 16):
         self.qtypes = list(qtypes)
         self.main_qtype = self.qtypes[0]  # the format of most of the weight's bytes, once loaded
@@ -92,6 +96,7 @@ class PackedLinearMethod(LinearMethod):
         """The activation codes (8, 16, or "auto" before act_bits.py measures it), and the crossover
         that goes with them."""
         self.act_bits = bits
+        PackedLinearMethod.settings_version += 1
         fixed = self.fixed_dense_min_rows
         self.dense_min_rows = default_dense_min_rows(bits, self.main_qtype) if fixed in (None, "measure") else fixed
 
@@ -183,9 +188,12 @@ class PackedLinearMethod(LinearMethod):
     def set_outliers(self, layer, columns: list[int] | None) -> None:
         """Leaves these input columns out of the 8-bit codes of `layer`'s products and adds them back
         exactly, from W's columns dequantized here a slab of rows at a time (act_bits.py)."""
+        PackedLinearMethod.settings_version += 1
         if not columns:
             layer.q_outliers = None
             return
+        if len(set(columns)) != len(columns) or not all(0 <= c < layer.q_in for c in columns):
+            raise ValueError(f"outlier columns must be distinct, in [0, {layer.q_in}): {columns}")
         cols = torch.tensor(sorted(columns), dtype=torch.long)
         w = torch.zeros(len(cols), layer.q_out + 16)
         first, slab = 0, 4096  # rows: a multiple of the x8 layout's groups of 8
