@@ -88,13 +88,13 @@ def test_loaded_model_uses_the_crossover_of_its_codes(bits, tmp_path, monkeypatc
     monkeypatch.setattr(act_bits, "VERDICTS", VerdictFile("act_bits.json", cache))
     args = dict(kv_cache_memory="256MiB", max_model_len=512, progress=False)
     if bits == "auto-kept-8":
-        first = LLM(**args)  # measures SmolLM2 (8 bits for some kinds only); the verdict is then made 8
+        first = LLM(**args)  # measures SmolLM2; the verdict is then made 8 for every kind
         del first
         cache.write_text(json.dumps({k: {**v, "bits": 8} for k, v in json.loads(cache.read_text()).items()}))
     llm = LLM(quant_act_bits="auto" if bits == "auto-kept-8" else bits, **args)
     model = llm.engine.core.worker.model
     methods = act_bits.packed_methods(model)
-    # auto on SmolLM2: the codes measured per kind of layer (act_bits.py), 8 bits for some kinds only
+    # auto: the codes measured per kind of layer (act_bits.py)
     expected = {8} if bits != "auto" else {b for v in json.loads(cache.read_text()).values()
                                            for b in v["bits"].values()}
     assert methods and {m.act_bits for m in methods} == expected
@@ -118,9 +118,9 @@ def _ints_bits(ints: list[int], num_layers: int) -> list[int]:
     out, i = [], 0
     for _ in range(num_layers):
         i += 1  # has_bias
-        for _ in range(4):
+        for _ in range(4):  # dense_min_rows, act_bits, has outliers, n, then n (qtype, rows)
             out.append(ints[i + 1])
-            i += 3 + 2 * ints[i + 2]
+            i += 4 + 2 * ints[i + 3]
     return out
 
 
