@@ -75,8 +75,13 @@ def methods_by_kind(model: torch.nn.Module) -> dict[str, list[PackedLinearMethod
         method = getattr(m, "method", None)
         if isinstance(method, PackedLinearMethod) and not isinstance(m, VocabEmbedding) and id(method) not in seen:
             seen.add(id(method))
-            kinds.setdefault(name.rsplit(".", 1)[-1], []).append(method)
+            kinds.setdefault(kind_of(name), []).append(method)
     return kinds
+
+
+def kind_of(name: str) -> str:
+    """A layer's kind: its module name's last part, the same in every decoder layer."""
+    return name.rsplit(".", 1)[-1]
 
 
 def set_act_bits(model: torch.nn.Module, bits: int | dict[str, int]) -> None:
@@ -161,7 +166,16 @@ class _Trial:
         self._outliers: dict[str, tuple] | None = None  # their W columns, made on first use
 
     def layer_channels(self, kinds: set[str]) -> dict[str, list[int]]:
-        return {name: cols for name, cols in self.channels.items() if name.rsplit(".", 1)[-1] in kinds}
+        return {name: cols for name, cols in self.channels.items() if kind_of(name) in kinds}
+
+    def keep_channels(self, kinds: set[str]) -> int:
+        """The verdict's channels on the layers, from the W columns the trial made (not made again);
+        returns the columns set."""
+        kept = self.layer_channels(kinds)
+        for name, layer in self.layers.items():
+            layer.q_outliers = self._outliers[name] if name in kept else None
+        PackedLinearMethod.settings_version += 1
+        return sum(map(len, kept.values()))
 
     @contextlib.contextmanager
     def _codes(self, eight: set[str], channels: set[str]) -> Iterator[None]:
@@ -175,7 +189,7 @@ class _Trial:
             for kind, m in methods:  # the packed kernel at every row count
                 m.dense_min_rows, m.act_bits = 0, 8 if kind in eight else 16
             for name, layer in self.layers.items():
-                layer.q_outliers = self._outliers.get(name) if name.rsplit(".", 1)[-1] in channels else None
+                layer.q_outliers = self._outliers.get(name) if kind_of(name) in channels else None
             yield
         finally:
             for (_, m), (rows, bits) in zip(methods, saved):
@@ -257,7 +271,8 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
         with fp32_activations(model) if in_fp32 else contextlib.nullcontext():
             trial = _Trial(model, ids)
             verdict = choose_kinds(sorted(kinds), trial.change)
-        verdict["channels"] = trial.layer_channels(set(verdict["channels"]))  # by layer name
+        channel_kinds = set(verdict["channels"])
+        verdict["channels"] = trial.layer_channels(channel_kinds)  # by layer name
         entry = {**verdict, "tokens": len(ids), "seconds": round(time.perf_counter() - t0, 2)}
         # gone models, and older verdicts of this model and dtype: dropped
         prefix = key.split("|codes", 1)[0] + "|"
@@ -265,7 +280,8 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
     bits = entry["bits"] if isinstance(entry["bits"], dict) else {k: entry["bits"] for k in kinds}
     bits = {k: bits.get(k, 16) for k in kinds}
     set_act_bits(model, bits)
-    channels = outlier_channels.apply_channels(model, entry.get("channels", {}))
+    channels = (outlier_channels.apply_channels(model, entry.get("channels", {})) if cached
+                else trial.keep_channels(channel_kinds))
     eight = sorted(k for k, b in bits.items() if b == 8)
     what = ("8-bit" if len(eight) == len(bits) else "16-bit" if not eight else
             f"8-bit for {', '.join(eight)}, 16-bit for {', '.join(sorted(set(bits) - set(eight)))}")
