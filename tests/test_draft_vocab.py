@@ -53,6 +53,35 @@ def test_reduced_head_scores_the_rows_of_the_full_head(kind):
         torch.testing.assert_close(sub, full[:, ids], rtol=1e-5, atol=1e-4)
 
 
+def test_reduced_head_keeps_the_full_heads_outlier_channels():
+    """A packed head with 8-bit codes and outlier channels (act_bits.py): the reduced head leaves the
+    same columns out of its codes and adds them back from its own rows, so a few columns 40x the
+    others' size cost it no more accuracy than they cost the full head."""
+    head = _head(QuantizeAtLoadMethod(FORMATS["I4_G128"].id, None, 8))
+    cols = [3, 77, 200]
+    head.method.set_outliers(head, cols)
+    ids = draft_vocab_ids(100, 300, [250, 299])
+    reduced = ReducedLMHead(head, ids)
+    got, _ = reduced.method.outliers(reduced)
+    assert got is not None and got.tolist() == cols
+    torch.manual_seed(1)
+    x = torch.randn(5, 256)
+    x[:, cols] *= 40
+    exact = x @ torch.from_numpy(_dense(head)).t()
+    full, sub = head(x)[:, ids], reduced(x)
+    torch.testing.assert_close(sub, full, rtol=1e-3, atol=5e-2)  # the same int4 grid, requantized
+    # without the channels, the 8-bit codes of those rows lose what the channels kept
+    reduced.method.set_outliers(reduced, None)
+    plain = reduced(x)
+    assert (plain - exact[:, ids]).abs().mean() > 2 * (sub - exact[:, ids]).abs().mean()
+
+
+def _dense(head):
+    out = torch.empty(head.q_out, head.q_in)
+    head.method.ops.dequantize(out, head.q_views[0], head.method.qtypes[0], head.q_in)
+    return out.numpy()
+
+
 @pytest.mark.parametrize("vocab_size", [512, 8192])
 def test_greedy_identical_with_a_reduced_draft_vocabulary(vocab_size, smol_path):
     """SmolLM2 (49k tokens) drafting for itself, its head cut to 512 (most drafts miss the target's
