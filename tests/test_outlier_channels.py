@@ -3,6 +3,8 @@ out of the codes and added back exactly, per ISA variant this CPU runs; and what
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -131,9 +133,13 @@ def test_outlier_channels_bring_smollm2_8bit_codes_within_the_limit():
     llm = LLM(quant_act_bits=16, kv_cache_memory="256MiB", max_model_len=1024, progress=False)
     model = llm.engine.core.worker.model
     ids = llm.get_tokenizer().encode(calibration_text(), add_special_tokens=False)
-    trial = act_bits._Trial(model, ids[:act_bits.TOKENS])
-    kinds = set(trial.kinds)
+    # measured as choose_act_bits measures: a bf16 engine's activations in fp32, else bf16's own
+    # rounding counts in the divergence (on AVX-512 with BF16: +0.00165 with channels, over the limit)
+    in_fp32 = llm.engine.core.worker.dtype == torch.bfloat16 and act_bits.fp32_measurable(model)
+    with act_bits.fp32_activations(model) if in_fp32 else contextlib.nullcontext():
+        trial = act_bits._Trial(model, ids[:act_bits.TOKENS])
+        kinds = set(trial.kinds)
+        with_channels, without = trial.change(kinds, kinds), trial.change(kinds, set())
     assert trial.channels and all(len(c) <= outlier_channels.MAX_CHANNELS for c in trial.channels.values())
     assert sum(name.endswith("qkv_proj") for name in trial.channels) >= 20
-    with_channels, without = trial.change(kinds, kinds), trial.change(kinds, set())
     assert with_channels <= act_bits.MAX_CHANGE < without and with_channels < without / 2, (with_channels, without)
