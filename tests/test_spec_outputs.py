@@ -20,10 +20,11 @@ def test_seeded_sampling_draws_the_tokens_of_no_speculation_in_any_batch(smol_pa
     args = dict(batch_invariant=True, max_model_len=128, progress=False)
     plain = LLM(**args)
     want = plain.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    per_token = plain.engine.core.worker.kv_bytes_per_token  # fp32 or bf16, as this CPU runs
     del plain
     gc.collect()
     # 8 blocks of 16 tokens for three requests of up to 75 tokens: drafts dropped, requests preempted
-    llm = LLM(speculative_config=NGRAM, kv_cache_memory=46080 * 16 * 8, max_num_batched_tokens=64, **args)
+    llm = LLM(speculative_config=NGRAM, kv_cache_memory=per_token * 16 * 8, max_num_batched_tokens=64, **args)
     assert llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids == want
     greedy = SamplingParams(temperature=0, max_tokens=60)
     batch = llm.generate([prompt, "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "a b a b a b a b"], [seeded, greedy, greedy],
