@@ -208,7 +208,7 @@ def choose_kinds(kinds: list[str], change: Callable[[set[str], set[str]], float]
     """The verdict: bits per kind, the kinds whose 8-bit codes take their outlier channels, the chosen
     set's change and the measurements that led there. change(eight, channels): the (expected) perplexity
     change with the kinds `eight` at 8 bits, those in `channels` with their outlier channels.
-    Plain 8-bit codes cost the least; channels ~1-8% more (BENCHMARKS.md); 16-bit codes twice:
+    Plain 8-bit codes cost the least; channels ~1-15% more (BENCHMARKS.md); 16-bit codes twice:
     - every kind at plain 8 bits when that is within `MAX_CHANGE`;
     - else each kind alone at plain 8 bits, then, from the least harmful, each kind added to those kept
       while the set stays within `MAX_CHANGE`;

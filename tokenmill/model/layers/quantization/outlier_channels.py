@@ -6,9 +6,10 @@ per 32 values, such a column's block spends its 8 bits on it and rounds its othe
 Each packed layer leaves up to `MAX_CHANNELS` such columns out of its codes and adds them back exactly
 (csrc/quant_outliers.h): on SmolLM2, 8-bit codes everywhere then change perplexity by an expected
 0.07% against 16-bit codes, where they changed it by ~0.3% without (BENCHMARKS.md). They cost a
-product ~1-8% (more at few rows), so `auto` gives them only to the kinds that need them. The columns are
-those whose largest |x| / RMS(row) over the calibration text reaches `MIN_SCORE`; the same columns
-chosen on the next 512 tokens of the text gave the same change (0.069% against 0.062%).
+product ~1-15% (the most at few rows and on small products, whose fp32 W columns are ~9% of their
+bytes), so `auto` gives them only to the kinds that need them. The columns are those whose largest
+|x| / RMS(row) over the calibration text reaches `MIN_SCORE`; the same columns chosen on the next
+512 tokens of the text gave the same change (0.069% against 0.062%).
 """
 
 from __future__ import annotations
