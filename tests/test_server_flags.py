@@ -65,6 +65,23 @@ def test_engine_fault_is_500_and_the_server_keeps_serving():
         srv.stop()
 
 
+def test_exclude_tools_when_tool_choice_none():
+    srv = ServerProcess("--exclude-tools-when-tool-choice-none").wait_ready()
+    try:
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}
+        prompt_tokens = {}
+        for name, extra in (("plain", {}), ("none", {"tools": [tool], "tool_choice": "none"}),
+                            ("auto", {"tools": [tool]})):
+            r = post(srv, "/v1/chat/completions", {"messages": ask, "max_tokens": 1, **extra})
+            assert r.status_code == 200, r.text
+            prompt_tokens[name] = r.json()["usage"]["prompt_tokens"]
+        assert prompt_tokens["none"] == prompt_tokens["plain"] < prompt_tokens["auto"], prompt_tokens
+    finally:
+        srv.stop()
+
+
 def test_request_timeout_aborts():
     srv = ServerProcess("--request-timeout", "1").wait_ready()
     try:

@@ -98,9 +98,13 @@ def test_tool_choice_required_named_auto(client):
             for call in choice.message.tool_calls:
                 _check_call(call, schema)
         assert "<tool_call>" not in (choice.message.content or "")
+    choice_auto_prompt_tokens = r.usage.prompt_tokens
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL], tool_choice="none",
                                        max_tokens=20, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+    # "none" still shows the tools (vLLM's default; test_server_flags.py: the flag that hides them)
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
+    assert r.usage.prompt_tokens == choice_auto_prompt_tokens > plain.usage.prompt_tokens
 
 
 def test_streamed_tool_calls_match_non_streamed(client):

@@ -103,7 +103,12 @@ def test_fallback_prompt_and_tool_messages():
     msgs, kwargs = prepare_messages(history, req, template_has_tools=True)
     assert kwargs == {"tools": [WEATHER]} and msgs[3]["role"] == "tool"
     assert msgs[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
-    assert prepare_messages(history, parse_tools([WEATHER], "none", None), False)[0][0]["content"] == "Be brief."
+    # tool_choice "none": shown as with any other choice (vLLM's default), or left out when the server says so
+    none = parse_tools([WEATHER], "none", None)
+    assert prepare_messages(history, none, False) == prepare_messages(history, req, False)
+    assert prepare_messages(history, none, True)[1] == {"tools": [WEATHER]}
+    assert prepare_messages(history, none, False, exclude_when_none=True)[0][0]["content"] == "Be brief."
+    assert prepare_messages(history, none, True, exclude_when_none=True)[1] == {}
     assert template_supports_tools("{% if tools %}...{% endif %}") and not template_supports_tools("{{ messages }}")
 
 

@@ -34,6 +34,10 @@ class ServerConfig:
                 "and model)."})
     disable_dashboard: bool = field(default=False, metadata={
         "help": "Do not serve the live dashboard page (GET /dashboard) and its data endpoint."})
+    exclude_tools_when_tool_choice_none: bool = field(default=False, metadata={
+        "help": "Leave a chat request's tools out of its prompt when its tool_choice is \"none\" (vLLM's flag). "
+                "By default the model sees them, as with any other tool_choice, but no call is parsed or "
+                "enforced; kept, they also keep the prompt's prefix the same for the prefix cache."})
     max_request_body_bytes: int | str = field(default=16 * 2**20, metadata={
         "help": "Largest request body accepted, in bytes or with a unit (16MiB); larger ones get 413."})
 

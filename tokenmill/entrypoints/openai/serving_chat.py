@@ -34,7 +34,8 @@ class ChatServing(ServingBase):
                                       param="chat_template_kwargs")
         dicts = [{**m.model_dump(exclude_none=True), "role": "system" if m.role == "developer" else m.role}
                  for m in messages]
-        dicts, tool_kwargs = prepare_messages(dicts, tools, template_supports_tools(self.engine.chat_template))
+        dicts, tool_kwargs = prepare_messages(dicts, tools, template_supports_tools(self.engine.chat_template),
+                                              self.config.exclude_tools_when_tool_choice_none)
         return self.engine.render_chat(dicts, add_generation_prompt, continue_final_message=continue_final_message,
                                        **{**(chat_template_kwargs or {}), **tool_kwargs})
 

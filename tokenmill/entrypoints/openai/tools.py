@@ -121,11 +121,13 @@ def template_supports_tools(template: str | None) -> bool:
     return bool(template) and re.search(r"\btools\b", template) is not None
 
 
-def prepare_messages(messages: list[dict], req: ToolRequest | None, template_has_tools: bool) -> tuple[list, dict]:
+def prepare_messages(messages: list[dict], req: ToolRequest | None, template_has_tools: bool,
+                     exclude_when_none: bool = False) -> tuple[list, dict]:
     """Messages and extra template arguments for the chat template: tool calls and tool results
     in the template's terms when it has a tool section, else as Hermes text around the fallback
-    system prompt."""
-    tools = req.tools if req is not None and req.choice != "none" else None
+    system prompt. The tools are shown with every tool_choice, "none" too (as vLLM does), unless
+    exclude_when_none (--exclude-tools-when-tool-choice-none)."""
+    tools = req.tools if req is not None and not (exclude_when_none and req.choice == "none") else None
     if template_has_tools:
         return [_with_parsed_arguments(m) for m in messages], ({"tools": tools} if tools else {})
     out = []
