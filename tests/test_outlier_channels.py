@@ -135,7 +135,7 @@ def test_outlier_channels_bring_smollm2_8bit_codes_within_the_limit():
     ids = llm.get_tokenizer().encode(calibration_text(), add_special_tokens=False)
     # measured as choose_act_bits measures: a bf16 engine's activations in fp32, else bf16's own
     # rounding counts in the divergence (on AVX-512 with BF16: +0.00165 with channels, over the limit)
-    in_fp32 = llm.engine.core.worker.dtype == torch.bfloat16 and act_bits.fp32_measurable(model)
+    in_fp32 = act_bits.measures_in_fp32(model, llm.engine.core.worker.dtype)
     with act_bits.fp32_activations(model) if in_fp32 else contextlib.nullcontext():
         trial = act_bits._Trial(model, ids[:act_bits.TOKENS])
         kinds = set(trial.kinds)

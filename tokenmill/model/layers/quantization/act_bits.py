@@ -134,6 +134,12 @@ def fp32_measurable(model: torch.nn.Module) -> bool:
     return all(t.dtype != torch.bfloat16 or t.dim() <= 1 for t in tensors)
 
 
+def measures_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the verdict of a model run in `dtype` is measured with fp32 activations (bf16's own
+    rounding would count in the divergence)."""
+    return dtype == torch.bfloat16 and fp32_measurable(model)
+
+
 @contextlib.contextmanager
 def fp32_activations(model: torch.nn.Module) -> Iterator[None]:
     """The model's bf16 vectors (norms, biases) in fp32 and its modules' dtype fp32 (the embedding's
@@ -259,7 +265,7 @@ def choose_act_bits(model: torch.nn.Module, source, dtype: torch.dtype, calibrat
         set_act_bits(model, 16)
         logger.info("activation codes: 16-bit (auto is not measured with tensor or pipeline parallelism)")
         return {k: 16 for k in kinds}
-    in_fp32 = dtype == torch.bfloat16 and fp32_measurable(model)
+    in_fp32 = measures_in_fp32(model, dtype)
     key = fingerprint(Path(source.path), torch.float32 if in_fp32 else dtype)
     entry = VERDICTS.read().get(key)
     cached = _valid(entry)  # else (hand-edited, older): measured
