@@ -10,12 +10,9 @@ product at 8 bits, +0.27% of it from the qkv products alone (BENCHMARKS.md). So 
 per layer kind (the name a layer has in every decoder layer: qkv_proj, o_proj, gate_up_proj, down_proj,
 and lm_head) on 512 tokens of built-in text (calibration.py), as the expected perplexity change against
 16-bit codes everywhere, e^KL - 1 with KL the mean divergence of the next-token distributions (llama.cpp's
-`llama-perplexity --kl-divergence`; the reference's top 256 tokens and the rest lumped into one):
-- every kind at 8 bits when that is within `MAX_CHANGE`;
-- else each kind alone at 8 bits, then, from the least harmful, each kind added to those kept while
-  the change of the whole set stays within `MAX_CHANGE`;
-- then each kind left, with its layers' outlier channels (outlier_channels.py: a few columns left out
-  of the codes and added back exactly, found in the reference pass), added the same way; the rest keep 16.
+`llama-perplexity --kl-divergence`; the reference's top 256 tokens and the rest lumped into one), kinds
+taking 8 bits, then 8 bits with their layers' outlier channels (outlier_channels.py: a few columns left
+out of the codes and added back exactly), while within `MAX_CHANGE` (`choose_kinds`).
 Not the perplexity of those 512 tokens: which way each code rounds is a coin toss that moves it by
 tenths of a percent. Measured at load and again after the engine had swapped in its fused norm
 kernels (a 1e-5 change of the 16-bit perplexity), SmolLM2 with every kind at 8 bits cost +0.69% and
