@@ -11,6 +11,7 @@ per stream (1 / TPOT), acceptance, and the start of the first output.
     cpu-lock bench .venv/bin/python benchmarks/spec_decode.py --concurrency 1,16,64
     cpu-lock bench .venv/bin/python benchmarks/spec_decode.py --model qwen2.5-coder-1.5b \\
         --draft qwen2.5-coder-0.5b --configs none,draft,ngram --concurrency 1,4
+    cpu-lock bench .venv/bin/python benchmarks/spec_decode.py --workload json --configs none,ngram:8 --output-len 600
 """
 
 from __future__ import annotations
@@ -27,13 +28,26 @@ from code_gen_prompts import code_gen_prompts
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.bench.throughput import _spec_delta
+from tokenmill.structured_output import StructuredOutputsParams
+
+ITEMS_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
+    "type": "object", "required": ["id", "name", "price", "tags"],
+    "properties": {"id": {"type": "integer"}, "name": {"type": "string"}, "price": {"type": "number"},
+                   "tags": {"type": "array", "items": {"type": "string"}}}}}}}
+COLOURS = ["red", "blue", "green", "black", "white"]
 
 
 def prompts(n: int, max_chars: int, workload: str = "edit") -> list[str]:
     """n different prompts. edit: file i % 8, starting (i // 8) * 7 lines further down each round;
-    gen: code-generation instructions (code_gen_prompts.py)."""
+    gen: code-generation instructions (code_gen_prompts.py); json: 12 records of a made-up
+    inventory, to be returned under ITEMS_SCHEMA (a structured-output request)."""
     if workload == "gen":
         return code_gen_prompts(n)
+    if workload == "json":
+        return ["Here is a list of items:\n" + "\n".join(json.dumps(
+            {"id": 12 * i + j, "name": f"item-{12 * i + j}", "price": 10 + (7 * j + i) % 90,
+             "tags": COLOURS[(i + j) % 5:(i + j) % 5 + 1 + j % 2]}) for j in range(12))
+            + "\nReturn them as JSON: " for i in range(n)]
     out = []
     for i in range(n):
         lines = (ROOT / FILES[i % len(FILES)]).read_text().splitlines(keepends=True)
@@ -41,8 +55,11 @@ def prompts(n: int, max_chars: int, workload: str = "edit") -> list[str]:
     return out
 
 
-def run(llm, batch: list[str], output_len: int) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+def run(llm, batch: list[str], output_len: int, workload: str = "edit") -> dict:
+    # json: the output ends where its schema does (a grammar's end is its EOS), as long in every configuration
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True) if workload != "json" else \
+        SamplingParams(temperature=0, max_tokens=output_len,
+                       structured_outputs=StructuredOutputsParams(json=ITEMS_SCHEMA))
     before = llm.engine.core.stats().spec_decoding
     t0 = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
@@ -114,8 +131,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--rounds", type=int, default=1, help="repeat each concurrency point, alternating the "
                     "configurations' order; each round's ratio and their median are printed")
-    ap.add_argument("--workload", choices=["edit", "gen"], default="edit",
-                    help="edit: input-grounded code edits; gen: short code-generation prompts")
+    ap.add_argument("--workload", choices=["edit", "gen", "json"], default="edit",
+                    help="edit: input-grounded code edits; gen: short code-generation prompts; json: records "
+                         "returned under a JSON schema (structured output)")
     args = ap.parse_args()
 
     def spec_of(name: str) -> str | None:  # "ngram:16": k = 16 for this configuration
@@ -137,7 +155,7 @@ def main() -> None:
                          quant_act_bits=args.quant_act_bits,
                          kv_cache_memory=args.kv_cache_memory, max_model_len=2048,
                          enable_prefix_caching=False, progress=False)
-        run(llms[name], prompts(2, args.max_chars, args.workload), 8)  # warm-up
+        run(llms[name], prompts(2, args.max_chars, args.workload), 8, args.workload)  # warm-up
     for c in (int(x) for x in args.concurrency.split(",")):
         ratios: dict[str, list[float]] = {name: [] for name in names}
         for r in range(args.rounds):
@@ -147,7 +165,7 @@ def main() -> None:
                        else [prompts(c, args.max_chars, args.workload)])
             for batch in batches:
                 for name in order:
-                    parts[name].append(run(llms[name], batch, args.output_len))
+                    parts[name].append(run(llms[name], batch, args.output_len, args.workload))
             base = total(parts["none"])["output_tokens_per_s"] if "none" in parts else None
             for name in names:
                 row = {"config": name, "concurrency": c, "round": r, **total(parts[name])}

@@ -1,5 +1,5 @@
 """Sampling under a grammar on the embedded model's real tokenizer, with synthetic logits: rows
-checked after sampling (greedy, temperature alone) and rows masked up front (top-p) must both draw
+checked after sampling (greedy, temperature alone) and rows masked up front (top-p, seeded) must draw
 from the masked distribution. Pearson's chi-square at significance 0.001 (test_rejection_sampler)."""
 
 from __future__ import annotations

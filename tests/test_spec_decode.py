@@ -2,9 +2,10 @@
 
 64 concurrent requests (the mixed prompts of test_engine_consistency, many of them repetitive so
 that the n-gram proposer drafts a lot) run with speculation under chunked prefill, prefix caching
-and a pool small enough to preempt, with two structured-output requests (which do not speculate)
-in the batch; every greedy request's tokens equal the run without speculation. In fp32, and in
-bf16 with batch_invariant. (The scheduler's bookkeeping on rejection: test_spec_scheduler.py.)
+and a pool small enough to preempt, with two structured-output requests (their drafts cut to what
+their grammar takes: test_spec_grammar.py) in the batch; every greedy request's tokens equal the
+run without speculation. In fp32, and in bf16 with batch_invariant. (The scheduler's bookkeeping on
+rejection: test_spec_scheduler.py.)
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import pytest
 from tests.server_utils import ServerProcess
 from tokenmill import LLM, SamplingParams
 from tokenmill.entrypoints.cli.main import build_parser
-from tokenmill.structured_output.params import StructuredOutputsParams
 
 K = 4
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
@@ -27,9 +26,8 @@ def _check_bounds(drafts: int, draft_tokens: int, accepted: int) -> None:
 
 def test_each_request_reports_its_own_speculation():
     llm = LLM(speculative_config=NGRAM, kv_cache_memory="64MiB", max_model_len=256, progress=False)
-    choice = SamplingParams(temperature=0, max_tokens=8,
-                            structured_outputs=StructuredOutputsParams(choice=["yes indeed", "no way"]))
-    params = [SamplingParams(temperature=0, max_tokens=32)] * len(REPEATS) + [choice]  # a grammar never drafts
+    one = SamplingParams(temperature=0, max_tokens=1)  # one token leaves no room for a draft
+    params = [SamplingParams(temperature=0, max_tokens=32)] * len(REPEATS) + [one]
     outs = llm.generate(REPEATS + ["Is the sky blue?"], params, use_tqdm=False)
     # two sampled sequences of one prompt: their counts add up in the request's metrics
     outs += llm.generate([REPEATS[0]], SamplingParams(n=2, temperature=0.7, seed=3, max_tokens=24), use_tqdm=False)

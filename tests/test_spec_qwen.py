@@ -1,7 +1,7 @@
 """Qwen2.5-Coder-0.5B drafting for Qwen2.5-Coder-1.5B (`make install-qwen`) never changes a greedy
-result: code prompts, run concurrently and one at a time, give the same tokens with the draft as
-without it (fp32 dense weights, as the other identity tests). Skipped when the pair is not installed
-(~1.5 GB, not part of `make test`)."""
+result: code prompts and a structured-output one, run concurrently and one at a time, give the
+same tokens with the draft as without it (fp32 dense weights, as the other identity tests). Skipped
+when the pair is not installed (~1.5 GB, not part of `make test`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import json
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.structured_output import StructuredOutputsParams
 
 pytestmark = [
     pytest.mark.slow,
@@ -26,7 +27,14 @@ PROMPTS = [
     "# Read a CSV file and print the sum of its second column\nimport csv\n\n",
     "def fizzbuzz(n):\n    for i in range(1, n + 1):\n",
 ]
+JSON_PROMPT = 'Return this record as JSON: name "tokenmill", version 3, tags "fast" and "small".\nJSON: '
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
+# structured output: the draft model drafts the schema's text and the end of text where the JSON ends
+JSON = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json={
+    "type": "object", "required": ["name", "version", "tags"],
+    "properties": {"name": {"type": "string"}, "version": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"type": "string"}}}}))
+PARAMS = [GREEDY] * len(PROMPTS) + [JSON]
 ARGS = dict(model="qwen2.5-coder-1.5b", dtype="float32", quantization="none", kv_cache_memory="512MiB",
             max_model_len=512, progress=False)
 
@@ -34,7 +42,9 @@ ARGS = dict(model="qwen2.5-coder-1.5b", dtype="float32", quantization="none", kv
 @pytest.fixture(scope="module")
 def reference():
     llm = LLM(**ARGS)
-    ref = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    outs = llm.generate(PROMPTS + [JSON_PROMPT], PARAMS, use_tqdm=False)
+    assert outs[-1].outputs[0].finish_reason == "stop"  # the JSON ended within max_tokens
+    ref = [o.outputs[0].token_ids for o in outs]
     del llm
     gc.collect()
     return ref
@@ -48,7 +58,7 @@ def test_qwen_05b_draft_for_15b_greedy_identical_to_no_speculation(reference, qu
     if quantization:
         spec["quantization"] = quantization
     llm = LLM(**ARGS, speculative_config=json.dumps(spec))
-    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    batched = [o.outputs[0].token_ids for o in llm.generate(PROMPTS + [JSON_PROMPT], PARAMS, use_tqdm=False)]
     alone = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:2]]
     assert batched == reference
     assert alone == reference[:2]

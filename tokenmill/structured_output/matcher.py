@@ -61,6 +61,63 @@ class GrammarState:
             self.matcher.rollback(num_tokens)
             self.num_accepted -= num_tokens
 
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many leading draft tokens the grammar takes in a row (the matcher does not move)."""
+        if not self.live:
+            return 0
+        n = 0
+        while n < len(drafts) and not self.matcher.is_terminated() and self.matcher.accept_token(drafts[n]):
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def greedy_tokens(self, argmax: list[int], drafts: list[int], masked_argmax) -> list[int]:
+        """Greedy verification under the grammar (the matcher does not move): at each position the
+        target's argmax if the grammar takes it, else `masked_argmax(position, banned)`, the argmax
+        within what it allows (the plain sampler's deferred greedy rows, logits_processors.py); drafts
+        are kept while they equal it. Masks are filled only where an argmax is refused."""
+        out, n = [], 0
+        try:
+            for j in range(len(drafts) + 1):
+                t = argmax[j]
+                if self.matcher.is_terminated():  # a draft was its stop token: nothing after it is output
+                    out.append(t)
+                    break
+                if self.matcher.accept_token(t):
+                    self.matcher.rollback(1)
+                else:
+                    words = xgr.allocate_token_bitmask(1, self.vocab_size)
+                    self.matcher.fill_next_token_bitmask(words)
+                    t = masked_argmax(j, unpack_banned(words, self.vocab_size)[0])
+                out.append(t)
+                if j == len(drafts) or t != drafts[j] or not self.matcher.accept_token(t):
+                    break
+                n += 1
+        finally:
+            if n:
+                self.matcher.rollback(n)
+        return out
+
+    def draft_masks(self, drafts: list[int]) -> torch.Tensor:
+        """Banned tokens (bool [len(drafts), vocab]) at the positions after drafts[:1], drafts[:2], ...:
+        what the grammar allows there, as verification needs (the matcher does not move). Past a draft
+        the grammar refuses, nothing is banned: verification rejects that draft, so those rows are
+        never sampled from."""
+        words = xgr.allocate_token_bitmask(max(len(drafts), 1), self.vocab_size)
+        words.fill_(-1)
+        n = 0
+        for j, t in enumerate(drafts):
+            if not self.matcher.accept_token(t):
+                break
+            n += 1
+            if self.matcher.is_terminated():
+                break  # the draft ended the grammar: what follows is never output
+            self.matcher.fill_next_token_bitmask(words, j)
+        if n:
+            self.matcher.rollback(n)
+        return unpack_banned(words[:len(drafts)], self.vocab_size)
+
 
 class GrammarBitmasks:
     """The batch's token bitmask (one int32 row per sampled sequence), reused across steps.
@@ -123,9 +180,7 @@ class GrammarBitmasks:
             self.bitmask = xgr.allocate_token_bitmask(max(len(rows), 2 * self.bitmask.shape[0]), self.vocab_size)
         words = self.bitmask[:len(rows)]
         self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], words)
-        bits = words.unsqueeze(-1).bitwise_right_shift(_SHIFTS).bitwise_and_(1)  # bit j of word w: token 32w + j
-        banned = bits.view(len(rows), -1)[:, :self.vocab_size] == 0
-        return rows, banned
+        return rows, unpack_banned(words, self.vocab_size)
 
     def _collect(self) -> None:
         """Waits for a fill nobody collected (e.g. the forward raised): it must not race the next."""
@@ -135,6 +190,12 @@ class GrammarBitmasks:
 
 
 _SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_banned(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """xgrammar's bitmask words [rows, ceil(vocab / 32)] as banned tokens (bool [rows, vocab])."""
+    bits = words.unsqueeze(-1).bitwise_right_shift(_SHIFTS).bitwise_and_(1)  # bit j of word w: token 32w + j
+    return bits.view(words.shape[0], -1)[:, :vocab_size] == 0
 
 
 def _same(a: list, b: list) -> bool:

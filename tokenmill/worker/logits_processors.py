@@ -87,13 +87,13 @@ class GrammarMask(LogitsProcessor):
     (EOS only where the grammar can end). Last of the processors, so it holds whatever the
     penalties did, and before temperature / top-k / top-p, which then act within the grammar.
 
-    A row sampled greedily or by temperature alone (no top-k, top-p, min-p) is not masked up front:
+    A row sampled greedily or by temperature alone (no top-k, top-p, min-p, no seed) is not masked up front:
     its token is drawn from the whole distribution and kept if the grammar takes it, else drawn
     again from the masked one. That is exactly the masked distribution (a kept token t has
     probability p(t) + (1 - p(A)) p(t) / p(A) = p(t) / p(A) for the allowed set A; greedy's argmax,
     when allowed, is the masked argmax), and it spares filling and applying the masks of the rows
     whose first token is allowed, most of them. The truncating filters depend on the whole
-    distribution, so their rows are masked first."""
+    distribution, so their rows are masked first; so are seeded rows (`_deferrable`)."""
 
     def __init__(self):
         self._masks = None  # the batch bitmask, allocated on first use
@@ -131,10 +131,11 @@ class GrammarMask(LogitsProcessor):
 
 def _deferrable(state: RequestState) -> bool:
     """A live grammar on a row sampled greedily (an argmax is inside any truncation) or by
-    temperature alone."""
+    temperature alone, without a seed: a seeded row draws once from the masked distribution, as its
+    speculative verification does (rejection_sampler.py), so its tokens do not depend on drafts."""
     p = state.params
     return (state.grammar is not None and state.grammar.live
-            and (p.greedy or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)))
+            and (p.greedy or (state.generator is None and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)))
 
 
 def default_processors() -> list[LogitsProcessor]:

@@ -25,7 +25,7 @@ from tokenmill.model.attention.torch_sdpa import padded_block_table
 from tokenmill.utils.memory import zeros
 from tokenmill.worker.request_state import GrammarSource, RequestState, RequestStates
 from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
-from tokenmill.worker.spec_decode import Proposer, speculates
+from tokenmill.worker.spec_decode import Proposer, grammar_prefix, speculates
 from tokenmill.worker.spec_decode.rejection_sampler import RejectionSampler
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class ModelRunner:
         if not states:
             return
         for state, drafts in zip(states, self.proposer.propose(states, [max_passes] * len(states))):
-            if drafts:
+            if drafts := grammar_prefix(state, drafts):
                 out.spec_token_ids[state.req_id] = drafts
 
     def prepare_inputs(self, batch: list[tuple[RequestState, int, list[int]]]):

@@ -15,5 +15,12 @@ class Proposer(Protocol):
 
 
 def speculates(state: RequestState) -> bool:
-    """Structured-output requests do not speculate (their grammar would have to check every draft)."""
-    return state.grammar is None
+    """Whether a request drafts: a structured-output request only while its grammar constrains it
+    (its drafts are cut to what the grammar takes, and verification masks each position)."""
+    return state.grammar is None or state.grammar.live
+
+
+def grammar_prefix(state: RequestState, drafts: list[int]) -> list[int]:
+    """A structured-output request's drafts up to the first its grammar refuses (vLLM cuts them
+    the same way): a refused draft could never be kept, and the positions after it have no mask."""
+    return drafts if state.grammar is None else drafts[:state.grammar.valid_prefix(drafts)]

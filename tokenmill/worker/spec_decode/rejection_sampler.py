@@ -20,6 +20,8 @@ requests without a seed keep the cheaper form.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tokenmill.core.messages import TokenLogprobs
@@ -83,6 +85,16 @@ def verify_greedy(argmax: list[int], drafts: list[int]) -> list[int]:
     return out
 
 
+def _grammar_greedy(state: RequestState) -> bool:
+    return state.params.greedy and state.grammar is not None and state.grammar.live
+
+
+def _masked_argmax(logits: torch.Tensor, j: int, banned: torch.Tensor) -> int:
+    row = logits[j:j + 1].clone()
+    row[:, :banned.shape[0]].masked_fill_(banned, float("-inf"))
+    return int(first_argmax(row)[0])
+
+
 class RejectionSampler:
     def __init__(self, sampler: Sampler, vocab_size: int):
         self.sampler = sampler
@@ -97,13 +109,20 @@ class RejectionSampler:
         batch = SamplingBatch.build(views, self.vocab_size, logits.device)
         logits = logits.float()
         raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
-        logits = self.sampler.process(logits, batch)
+        starts = [sum(len(d) + 1 for _, d in rows[:i]) for i in range(len(rows))]
+        # a greedy structured-output row's grammar acts only where an argmax is refused (greedy_tokens)
+        deferred = frozenset(r0 for (state, _), r0 in zip(rows, starts) if _grammar_greedy(state))
+        logits = self.sampler.process(logits, batch, deferred)
+        self._mask_grammar_rows(logits, rows)
         argmax = first_argmax(logits).tolist()  # as the sampler's greedy rows
         probs = None if batch.all_greedy else self.sampler.filtered_probs(logits, batch)
         results, r0, lp_rows, lp_tokens = [], 0, [], []
         for state, drafts in rows:
             n = len(drafts) + 1
-            if state.params.greedy:
+            if r0 in deferred:
+                tokens = state.grammar.greedy_tokens(argmax[r0:r0 + n], drafts, functools.partial(_masked_argmax,
+                                                                                                   logits[r0:r0 + n]))
+            elif state.params.greedy:
                 tokens = verify_greedy(argmax[r0:r0 + n], drafts)
             else:
                 tokens = verify_sampled(probs[r0:r0 + n], drafts, state.generator or self.sampler.generator,
@@ -119,3 +138,15 @@ class RejectionSampler:
             logprobs = iter(Sampler.logprobs(raw[lp_rows], torch.tensor(lp_tokens, device=raw.device), sub))
         return [(tokens, [next(logprobs) for _ in tokens] if state.params.logprobs is not None else None)
                 for (state, _), tokens in zip(rows, results)]
+
+    @staticmethod
+    def _mask_grammar_rows(logits: torch.Tensor, rows: list[tuple[RequestState, list[int]]]) -> None:
+        """A sampled structured-output request's positions after its drafts keep only what its grammar
+        allows there (the first position is its own row, masked by the processors' GrammarMask)."""
+        r0 = 0
+        for state, drafts in rows:
+            if state.grammar is not None and state.grammar.live and drafts and not _grammar_greedy(state):
+                banned = state.grammar.draft_masks(drafts)
+                part = logits[r0 + 1:r0 + 1 + len(drafts), :banned.shape[1]]
+                part.masked_fill_(banned, float("-inf"))
+            r0 += len(drafts) + 1
