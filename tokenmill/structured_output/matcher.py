@@ -10,6 +10,7 @@ the grammar can end.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -72,7 +73,8 @@ class GrammarState:
             self.matcher.rollback(n)
         return n
 
-    def greedy_tokens(self, argmax: list[int], drafts: list[int], masked_argmax) -> list[int]:
+    def greedy_tokens(self, argmax: list[int], drafts: list[int],
+                      masked_argmax: Callable[[int, torch.Tensor], int]) -> list[int]:
         """Greedy verification under the grammar (the matcher does not move): at each position the
         target's argmax if the grammar takes it, else `masked_argmax(position, banned)`, the argmax
         within what it allows (the plain sampler's deferred greedy rows, logits_processors.py); drafts

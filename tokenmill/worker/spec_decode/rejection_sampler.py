@@ -16,11 +16,15 @@ operations, and draws the very tokens it draws without speculation, in any batch
 pool drops its drafts or preempts it. The price is a CDF over the vocabulary per draft (~0.2 ms at
 150k tokens) where the rule needs one per step: what every token costs without speculation, so
 requests without a seed keep the cheaper form.
+A structured-output request's drafts are what its grammar takes (model_runner.py cuts them); its
+positions after them keep what the grammar allows there (GrammarState.draft_masks), and a greedy
+one's only where the target's argmax is refused (GrammarState.greedy_tokens), as its plain rows.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -109,7 +113,7 @@ class RejectionSampler:
         batch = SamplingBatch.build(views, self.vocab_size, logits.device)
         logits = logits.float()
         raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
-        starts = [sum(len(d) + 1 for _, d in rows[:i]) for i in range(len(rows))]
+        starts = list(itertools.accumulate((len(d) + 1 for _, d in rows), initial=0))
         # a greedy structured-output row's grammar acts only where an argmax is refused (greedy_tokens)
         deferred = frozenset(r0 for (state, _), r0 in zip(rows, starts) if _grammar_greedy(state))
         logits = self.sampler.process(logits, batch, deferred)
