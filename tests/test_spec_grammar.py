@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from tokenmill.core.scheduler_output import NewRequestData
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.structured_output.compiler import GrammarCompiler
 from tokenmill.structured_output.matcher import GrammarState, unpack_banned
+from tokenmill.worker.logits_processors import _deferrable
 from tokenmill.worker.request_state import RequestState
 
 ROW = '{"name": "tokenmill", "version": 3, "tags": ["fast", "small"]}'
@@ -112,31 +114,27 @@ def test_drafts_are_cut_where_the_grammar_refuses_and_masked_as_after_each(numbe
         words = torch.zeros(1, (49152 + 31) // 32, dtype=torch.int32)
         other.matcher.fill_next_token_bitmask(words)
         assert torch.equal(masks[j], unpack_banned(words, 49152)[0])
-        assert not masks[j, ids[j + 1]] if j + 1 < n else True
+        if j + 1 < n:
+            assert not masks[j, ids[j + 1]]  # the next draft is allowed there
     assert masks[n - 1, ids[n]]  # the refused draft is banned where it was drafted
     assert not masks[n:].any()  # past it: never sampled from
     assert state.num_accepted == 0 and not state.failed
 
 
 def test_a_seeded_grammar_row_is_masked_before_its_draw(numbers_grammar):
+    """Not drawn from the whole distribution and drawn again if refused (two uniforms where its
+    verification spends one): its tokens would then depend on whether a step speculated."""
     _, compiled = numbers_grammar
     spec = StructuredOutputsParams(regex=NUMBERS_RE).spec()
 
     def state(seed):
         p = CoreSamplingParams(grammar=spec, temperature=1.0, seed=seed)
+        done = Future()
+        done.set_result(compiled)
         return RequestState.new(NewRequestData("r", [1, 2, 3], p, [2], [0], 0), torch.device("cpu"),
-                                lambda _: _done(compiled))
-    from tokenmill.worker.logits_processors import _deferrable
+                                lambda _: done)
 
     assert not _deferrable(state(1)) and _deferrable(state(None))
-
-
-def _done(value):
-    from concurrent.futures import Future
-
-    f = Future()
-    f.set_result(value)
-    return f
 
 
 def test_a_draft_that_ends_the_grammar_ends_its_verification(numbers_grammar):
@@ -150,7 +148,7 @@ def test_a_draft_that_ends_the_grammar_ends_its_verification(numbers_grammar):
     drafts = drafts[:len(ids)]
     masks = state.draft_masks(drafts)
     assert not masks[-1].any()  # after the stop token: never sampled from
-    assert masks[-2, 2] == False and masks[-2].sum() > 40000  # noqa: E712 (the end, or more digits)
+    assert not masks[-2, 2] and masks[-2].sum() > 40000  # after the sixth number: its end, or more digits
     never = lambda j, banned: pytest.fail("no refused argmax here")  # noqa: E731
     assert state.greedy_tokens(drafts + [7], drafts, never) == drafts + [7]
     assert state.num_accepted == 1 and state.live
