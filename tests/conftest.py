@@ -57,6 +57,19 @@ def hf_smol(smol_path):
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def grammar_compiler():
+    """A grammar compiler on the embedded model's tokenizer (49152 tokens, EOS 2), shut down after
+    the module."""
+    from tokenmill.model.loader import load_tokenizer, resolve_model
+    from tokenmill.structured_output.compiler import GrammarCompiler
+
+    tokenizer = load_tokenizer(resolve_model(None))
+    c = GrammarCompiler(lambda: tokenizer, vocab_size=49152, stop_token_ids=[2])
+    yield c
+    c.shutdown()
+
+
 @pytest.fixture(scope="session")
 def smol_tokenizer_dir(smol_path):
     from tokenmill.model.loader import gguf_loader

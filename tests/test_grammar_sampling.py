@@ -13,7 +13,6 @@ from tests.test_rejection_sampler import assert_distributed_as
 from tokenmill.core.messages import CoreSamplingParams
 from tokenmill.core.scheduler_output import NewRequestData
 from tokenmill.structured_output import StructuredOutputsParams
-from tokenmill.structured_output.compiler import GrammarCompiler
 from tokenmill.worker.request_state import RequestState
 from tokenmill.worker.sampler import Sampler, SamplingBatch
 
@@ -21,13 +20,8 @@ VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
-def compiler():
-    from tokenmill.model.loader import load_tokenizer, resolve_model
-
-    tokenizer = load_tokenizer(resolve_model(None))
-    c = GrammarCompiler(lambda: tokenizer, vocab_size=VOCAB, stop_token_ids=[2])
-    yield c
-    c.shutdown()
+def compiler(grammar_compiler):
+    return grammar_compiler
 
 
 def _states(compiler, n: int, **params) -> list[RequestState]:

@@ -17,7 +17,6 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.core.messages import CoreSamplingParams
 from tokenmill.core.scheduler_output import NewRequestData
 from tokenmill.structured_output import StructuredOutputsParams
-from tokenmill.structured_output.compiler import GrammarCompiler
 from tokenmill.structured_output.matcher import GrammarState, unpack_banned
 from tokenmill.worker.logits_processors import _deferrable
 from tokenmill.worker.request_state import RequestState
@@ -89,14 +88,11 @@ def test_grammar_requests_speculate_and_keep_the_tokens_of_no_speculation(refere
 
 
 @pytest.fixture(scope="module")
-def numbers_grammar():
+def numbers_grammar(grammar_compiler):
     from tokenmill.model.loader import load_tokenizer, resolve_model
 
-    tokenizer = load_tokenizer(resolve_model(None))
-    compiler = GrammarCompiler(lambda: tokenizer, vocab_size=49152, stop_token_ids=[2])
     spec = StructuredOutputsParams(regex=NUMBERS_RE).spec()
-    yield tokenizer, compiler.submit(spec).result()
-    compiler.shutdown()
+    return load_tokenizer(resolve_model(None)), grammar_compiler.get(spec)
 
 
 def test_drafts_are_cut_where_the_grammar_refuses_and_masked_as_after_each(numbers_grammar):

@@ -13,7 +13,7 @@ import torch
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured_output import GrammarSpec, StructuredOutputsParams
-from tokenmill.structured_output.compiler import MAX_JSON_WHITESPACE, GrammarCompiler, build_grammar, validate
+from tokenmill.structured_output.compiler import MAX_JSON_WHITESPACE, build_grammar, validate
 from tokenmill.structured_output.json_schema import prepare_json_schema
 from tokenmill.structured_output.matcher import GrammarBitmasks, GrammarState
 
@@ -28,10 +28,8 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def compiler(tokenizer):
-    c = GrammarCompiler(lambda: tokenizer, vocab_size=49152, stop_token_ids=[2])
-    yield c
-    c.shutdown()
+def compiler(grammar_compiler):
+    return grammar_compiler
 
 
 def accepts(compiler, spec: GrammarSpec, text: str) -> bool:

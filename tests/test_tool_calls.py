@@ -17,7 +17,7 @@ from tokenmill.entrypoints.openai.tools import (
     tool_grammar,
 )
 from tokenmill.errors import InvalidRequestError
-from tokenmill.structured_output.compiler import MAX_JSON_WHITESPACE, GrammarCompiler
+from tokenmill.structured_output.compiler import MAX_JSON_WHITESPACE
 from tokenmill.structured_output.matcher import GrammarState
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
@@ -30,12 +30,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "day
 
 
 @pytest.fixture(scope="module")
-def compiler():
-    from tokenmill.model.loader import load_tokenizer, resolve_model
-
-    c = GrammarCompiler(lambda: load_tokenizer(resolve_model(None)), vocab_size=49152, stop_token_ids=[2])
-    yield c
-    c.shutdown()
+def compiler(grammar_compiler):
+    return grammar_compiler
 
 
 def takes(compiler, tool_choice, text, parallel=None) -> bool:
