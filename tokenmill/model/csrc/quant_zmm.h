@@ -103,6 +103,18 @@ inline __m512i dp(__m512i acc, __m512i w, __m512i x) {
   }
 }
 
+// dp(acc, w, the 4 activations at p in every lane) with the broadcast folded into vpdpbusd's memory
+// operand: GCC 12 loads it with a vpbroadcastd of its own, a vector op per dot product.
+template <bool kSigned>
+inline __m512i dp_bcast(__m512i acc, __m512i w, const int8_t* p) {
+  if constexpr (kVNNI) {
+    asm("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+  } else {
+    return dp<kSigned>(acc, w, bcast4(p));
+  }
+}
+
 // Keeps the two groups' streams `dist` bytes ahead of chunk c (of C) being read, into the next item.
 struct Prefetcher {
   const uint8_t *g0, *g1;
