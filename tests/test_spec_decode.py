@@ -266,3 +266,22 @@ def test_one_stream_hands_the_policys_draft_length_to_the_proposer_ahead():
     sched.update(sched.schedule(), ModelRunnerOutput({"a": [9], "b": [10]}))  # b's prompt: nobody drafts
     out = sched.schedule()
     assert out.max_draft_passes is None
+
+
+@pytest.mark.timeout(180)
+def test_a_draft_model_runs_requests_to_max_model_len_in_a_pool_of_just_that(smol_path):
+    """4 blocks of 16 tokens and max_model_len 64: requests that grow to max_model_len finish (they
+    waited forever for the draft's lookahead slots past it), with the tokens of a run without it."""
+    prompts = [list(range(1000, 1000 + n)) for n in (30, 63)]
+    params = [SamplingParams(temperature=0, max_tokens=64 - len(p)) for p in prompts]
+    args = dict(dtype="float32", quantization="none", max_model_len=64, enable_prefix_caching=False, progress=False)
+    ref = LLM(**args)
+    expected = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    del ref
+    gc.collect()
+    spec = f'{{"model": "{smol_path}", "num_speculative_tokens": 3, "adaptive": false}}'
+    llm = LLM(speculative_config=spec, kv_cache_memory=4 * 16 * 2 * 46080, **args)
+    outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs == expected and [len(t) for t in outs] == [34, 1]
+    assert llm.engine.core.stats().spec_decoding.num_accepted_tokens > 0
+    _check_clean(llm)

@@ -62,3 +62,19 @@ def test_drafts_stay_within_max_tokens():
     sched.update(out, ModelRunnerOutput({"r": [4]}, spec_token_ids={"r": [5, 6, 7, 8]}))
     out = sched.schedule()
     assert out.scheduled_spec_decode_tokens == {"r": [5]}  # 1 sampled + 1 draft + 1 bonus = 3
+
+
+def test_a_request_grows_to_max_model_len_in_a_pool_that_holds_just_that():
+    """A draft model's lookahead slots end at max_model_len, where drafting stops: with 3 slots past a
+    15-token prompt the request could never be admitted to 4 blocks of 4, and waited forever."""
+    kv = KVCacheManager(4, 4, enable_caching=False)
+    sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=16, num_lookahead_slots=3)
+    req = Request("r", list(range(1, 14)), CoreSamplingParams(temperature=0), [0], max_tokens=3, arrival_time=0)
+    sched.add_request(req)
+    out = sched.schedule()  # 13 tokens + 3 slots: all 4 blocks
+    assert out.num_scheduled_tokens == {"r": 13}
+    sched.update(out, ModelRunnerOutput({"r": [14]}, spec_token_ids={"r": [15, 16, 17]}))
+    out = sched.schedule()  # the last token + 1 draft (max_model_len), no slot past it
+    assert out.num_scheduled_tokens == {"r": 2} and out.scheduled_spec_decode_tokens == {"r": [15]}
+    sched.update(out, ModelRunnerOutput({"r": [15, 16]}))
+    assert req.is_finished and req.num_tokens == 16 and kv.pool.num_free_blocks == 4

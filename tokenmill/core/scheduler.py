@@ -217,8 +217,11 @@ class Scheduler:
         return req.spec_token_ids[:max(room, 0)]
 
     def _lookahead(self, req: Request, num_after: int) -> int:
-        """KV slots for a draft model to write past the step's tokens, when the step samples (and so drafts)."""
-        return self.num_lookahead_slots if num_after >= req.num_tokens else 0
+        """KV slots for a draft model to write past the step's tokens, when the step samples (and so drafts);
+        none past max_model_len (nor drafts): a pool of max_model_len tokens holds a request grown to it."""
+        if num_after < req.num_tokens:
+            return 0
+        return max(0, min(self.num_lookahead_slots, self.max_model_len - num_after))
 
     def _fail(self, req: Request, error: Exception) -> None:
         """Scheduling `req` raised: it alone ends (reported in the step's outputs as failed)."""
