@@ -271,7 +271,7 @@ def test_one_stream_hands_the_policys_draft_length_to_the_proposer_ahead():
 @pytest.mark.timeout(180)
 def test_a_draft_model_runs_requests_to_max_model_len_in_a_pool_of_just_that(smol_path):
     """4 blocks of 16 tokens and max_model_len 64: requests that grow to max_model_len finish (they
-    waited forever for the draft's lookahead slots past it), with the tokens of a run without it."""
+    waited forever for the draft's lookahead slots past it), with the tokens of a run without speculation."""
     prompts = [list(range(1000, 1000 + n)) for n in (30, 63)]
     params = [SamplingParams(temperature=0, max_tokens=64 - len(p)) for p in prompts]
     args = dict(dtype="float32", quantization="none", max_model_len=64, enable_prefix_caching=False, progress=False)

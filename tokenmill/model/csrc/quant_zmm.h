@@ -108,7 +108,8 @@ inline __m512i dp(__m512i acc, __m512i w, __m512i x) {
 template <bool kSigned>
 inline __m512i dp_bcast(__m512i acc, __m512i w, const int8_t* p) {
   if constexpr (kVNNI) {
-    asm("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
+    // the operand as bytes: the asm reads the tile's int8 codes, and char aliases them
+    asm("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const char(*)[4]>(p)));
     return acc;
   } else {
     return dp<kSigned>(acc, w, bcast4(p));
