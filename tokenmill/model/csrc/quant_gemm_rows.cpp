@@ -34,9 +34,9 @@ __attribute__((always_inline)) inline void rows_chunk(const __m512i W[8], const 
     static_for<4>([&](auto j) TM_INLINE {
       static_for<R>([&](auto r) TM_INLINE {
         const int8_t* x = reinterpret_cast<const int8_t*>(tc + r * CB + at);
-        lo[r] = dp_bcast<kSigned>(lo[r], W[j], x + 4 * j);
-        if constexpr (kOne) lo[r] = dp_bcast<kSigned>(lo[r], W[j + 4], x + 16 + 4 * j);
-        else hi[r] = dp_bcast<kSigned>(hi[r], W[j + 4], x + 16 + 4 * j);
+        lo[r] = dp<kSigned>(lo[r], W[j], x + 4 * j);
+        if constexpr (kOne) lo[r] = dp<kSigned>(lo[r], W[j + 4], x + 16 + 4 * j);
+        else hi[r] = dp<kSigned>(hi[r], W[j + 4], x + 16 + 4 * j);
       });
     });
   };

@@ -56,8 +56,8 @@ __attribute__((always_inline)) inline void rows_sb(const __m512i W[8], const uin
   static_for<4>([&](auto j) TM_INLINE {
     static_for<R>([&](auto r) TM_INLINE {
       const int8_t* x = reinterpret_cast<const int8_t*>(tc + r * 32);
-      lo[r] = dp_bcast<false>(lo[r], W[j], x + 4 * j);
-      hi[r] = dp_bcast<false>(hi[r], W[j + 4], x + 16 + 4 * j);
+      lo[r] = dp<false>(lo[r], W[j], x + 4 * j);
+      hi[r] = dp<false>(hi[r], W[j + 4], x + 16 + 4 * j);
     });
   });
   static_for<R>([&](auto r) TM_INLINE {

@@ -17,12 +17,6 @@ inline __m512 join(__m256 lo, __m256 hi) {
   return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
 }
 
-inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // decode_ymm of two chunk bodies at once: zmm j = ymm j of b0 (rows 0-7), then of b1 (rows 8-15);
 // the 5th and 6th bits come from the two groups' bit planes side by side.
 template <int BITS>
@@ -89,30 +83,25 @@ inline void chunk_vec16(const uint8_t* g0, const uint8_t* h0, const uint8_t* g1,
   }
 }
 
-// acc + (4 weights of 16 rows in W) . (the same 4 activations in every lane x)
+// acc + (4 weights of 16 rows in W) . (the 4 activations at p, the same in every lane). With VNNI the
+// broadcast is vpdpbusd's memory operand: GCC 12 gave it a vpbroadcastd of its own, a vector op per
+// dot product. The operand is typed as bytes: it reads the tile's int8 codes, and char aliases them.
 template <bool kSigned>
-inline __m512i dp(__m512i acc, __m512i w, __m512i x) {
+inline __m512i dp(__m512i acc, __m512i w, const int8_t* p) {
   if constexpr (kVNNI) {
-    return _mm512_dpbusd_epi32(acc, w, x);
-  } else if constexpr (kSigned) {
-    const __mmask64 neg = _mm512_movepi8_mask(w);
-    const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), xs), _mm512_set1_epi16(1)));
-  } else {
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
-  }
-}
-
-// dp(acc, w, the 4 activations at p in every lane) with the broadcast folded into vpdpbusd's memory
-// operand: GCC 12 loads it with a vpbroadcastd of its own, a vector op per dot product.
-template <bool kSigned>
-inline __m512i dp_bcast(__m512i acc, __m512i w, const int8_t* p) {
-  if constexpr (kVNNI) {
-    // the operand as bytes: the asm reads the tile's int8 codes, and char aliases them
     asm("vpdpbusd %[x]%{1to16%}, %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [x] "m"(*reinterpret_cast<const char(*)[4]>(p)));
     return acc;
   } else {
-    return dp<kSigned>(acc, w, bcast4(p));
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    const __m512i x = _mm512_set1_epi32(v);
+    if constexpr (kSigned) {
+      const __mmask64 neg = _mm512_movepi8_mask(w);
+      const __m512i xs = _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x);
+      return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(w), xs), _mm512_set1_epi16(1)));
+    } else {
+      return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+    }
   }
 }
 
