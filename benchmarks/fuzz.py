@@ -11,6 +11,7 @@ the server healthy with an empty KV cache at the end.
 
     python benchmarks/fuzz.py --cases 10000          # starts its own server
     python benchmarks/fuzz.py --url http://127.0.0.1:8000 --cases 2000 --skip-schemathesis
+    python benchmarks/fuzz.py --cases 4000 --server-args "--speculative-config '{\"method\": \"ngram\"}'"
 
 The CI version (about 1000 cases) is tests/test_fuzz.py.
 """
@@ -22,6 +23,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -247,10 +249,13 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--skip-schemathesis", action="store_true")
+    ap.add_argument("--server-args", default="", help="more flags for the servers it starts (shell syntax), "
+                    "e.g. a --speculative-config or --kv-cache-dtype int8")
     args = ap.parse_args()
+    server_args = (*FUZZ_ARGS, *shlex.split(args.server_args))
     seed = args.seed if args.seed is not None else random.randrange(2**31)
-    servers = [] if args.url else [ServerProcess(*FUZZ_ARGS).wait_ready(),
-                                   ServerProcess(*FUZZ_ARGS, "--api-key", "fuzz-key").wait_ready()]
+    servers = [] if args.url else [ServerProcess(*server_args).wait_ready(),
+                                   ServerProcess(*server_args, "--api-key", "fuzz-key").wait_ready()]
     url = args.url or servers[0].url
     failed = False
     try:

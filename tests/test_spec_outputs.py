@@ -1,10 +1,13 @@
 """What a speculating request hands out equals what it would without speculation, beyond greedy
-tokens: seeded samples (verification draws as the plain sampler does) and the output of a request
-whose stop string is met inside a step's accepted tokens."""
+tokens: seeded samples (verification draws as the plain sampler does), the output of a request
+whose stop string is met inside a step's accepted tokens, and greedy requests whose logits
+processors read the output so far (penalties, min_tokens) or that ask for logprobs."""
 
 from __future__ import annotations
 
 import gc
+
+import pytest
 
 from tokenmill import LLM, SamplingParams
 
@@ -57,3 +60,67 @@ def test_a_stop_string_completed_mid_step_drops_the_steps_later_tokens():
         assert [lp[t].logprob for lp, t in zip(g.logprobs, g.token_ids)] == \
             [lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)]
     _check_clean(llm)
+
+
+def _feature_requests(tok) -> tuple[list[str], list[SamplingParams]]:
+    """Greedy requests on repetitive prompts (so that drafts are taken), each with what makes a
+    verification position's logits depend on the drafts before it: penalties over the output so far,
+    min_tokens counting them, a bias, stop ids, and logprobs of prompt and output."""
+    ids = tok.encode(" two three fox", add_special_tokens=False)
+    kinds = [dict(repetition_penalty=1.3), dict(presence_penalty=1.0), dict(frequency_penalty=0.7),
+             dict(frequency_penalty=-0.5, presence_penalty=0.5, repetition_penalty=0.9),
+             dict(logit_bias={ids[0]: -100.0, ids[1]: 4.0}), dict(min_tokens=12, stop_token_ids=[ids[0]]),
+             dict(stop_token_ids=[ids[1]]), dict(logprobs=3, prompt_logprobs=2), dict(n=2, logprobs=0),
+             dict(min_tokens=30, repetition_penalty=1.2, logprobs=1)]
+    texts = ["one two three one two three one two three one", "The quick brown fox jumps over the lazy dog. " * 3,
+             "def add(a, b):\n    return a + b\n\n" * 3, "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,"]
+    prompts, params = [], []
+    for i, kind in enumerate(kinds * 2):
+        prompts.append(texts[i % len(texts)])
+        params.append(SamplingParams(temperature=0, max_tokens=40, **kind))
+    return prompts, params
+
+
+def _outputs(llm, prompts, params) -> list:
+    return [(o.prompt_logprobs, [(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs])
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _same_logprobs(got, want) -> bool:
+    if got is None or want is None:
+        return got is want
+    return len(got) == len(want) and all(
+        (g is None and w is None) or (g.keys() == w.keys() and all(abs(g[t].logprob - w[t].logprob) < 1e-4 for t in g))
+        for g, w in zip(got, want))
+
+
+@pytest.mark.slow
+def test_penalties_bias_min_tokens_and_logprobs_are_those_of_no_speculation():
+    """Every drafted position is verified with the logits processors' view of the output up to it
+    (penalties, min_tokens, bias): with n-gram and with a draft model, under chunked prefill, prefix
+    caching and a pool that preempts, each request's tokens, text, finish reason and logprobs (of
+    its output and its prompt) equal the run without speculation. fp32: the same logits either way."""
+    args = dict(dtype="float32", quantization="none", max_model_len=256, max_num_seqs=32, progress=False)
+    plain = LLM(**args)
+    prompts, params = _feature_requests(plain.get_tokenizer())
+    want = _outputs(plain, prompts, params)
+    per_token = plain.engine.core.worker.kv_bytes_per_token
+    del plain
+    gc.collect()
+    ngram = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "adaptive": false}'
+    draft = '{"model": "smollm2-135m", "num_speculative_tokens": 3, "adaptive": false, "draft_p_min": 0}'
+    for spec, blocks in ((ngram, 20), (draft, 40)):  # a draft model's cache is in the same budget
+        llm = LLM(speculative_config=spec, kv_cache_memory=per_token * 16 * blocks, max_num_batched_tokens=48,
+                  enable_prefix_caching=True, **args)
+        got = _outputs(llm, prompts, params)
+        for i, ((got_prompt, got_choices), (want_prompt, want_choices)) in enumerate(zip(got, want)):
+            assert _same_logprobs(got_prompt, want_prompt), f"request {i} ({params[i]}): prompt logprobs"
+            for (gt, gx, gf, gl), (wt, wx, wf, wl) in zip(got_choices, want_choices):
+                assert (gt, gx, gf) == (wt, wx, wf), f"request {i} ({params[i]})"
+                assert _same_logprobs(gl, wl), f"request {i} ({params[i]}): logprobs"
+        core = llm.engine.core
+        assert core.stats().spec_decoding.num_accepted_tokens > 0
+        assert core.scheduler.num_preemptions > 0
+        _check_clean(llm)
+        del llm
+        gc.collect()
