@@ -5,7 +5,8 @@ engine configurations; in fp32 (dense weights), and in bf16 with `batch_invarian
 own packed weights: every product takes the packed kernel), every request's tokens
 equal its tokens when run alone. In default bf16, batch shape changes rounding, so the test checks
 the weaker property that holds there: every batched greedy token is, teacher-forced through the
-model alone, within a near-tie of the top token.
+model alone, within a near-tie of the top token. An int8 KV cache in batch-invariant mode is exact
+too, logprobs included.
 """
 
 from __future__ import annotations
@@ -130,3 +131,32 @@ def test_bf16_batched_greedy_is_within_near_ties(smol_bf16):
             best = max(lp.logprob for lp in pos.values())
             worst = max(worst, best - pos[t].logprob)
     assert worst <= 0.5, worst  # nats between the batched token and the alone top token
+
+
+@pytest.mark.slow
+def test_an_int8_kv_cache_is_exact_under_chunking_prefix_hits_and_preemption():
+    """batch_invariant: every token reads K/V as the cache stores them (its codes and scale), so with
+    an int8 cache too, 24 of the requests alone and among each other, with prefix caching and
+    16-token chunks or a pool that preempts, give the same tokens and logprobs bit for bit. (Without
+    it, rounding that differs with the batch flips a code now and then: the cache amplifies it.)"""
+    base = dict(dtype="float32", quantization="none", kv_cache_dtype="int8", batch_invariant=True,
+                max_model_len=512, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=0)
+    llm = LLM(kv_cache_memory="64MiB", enable_prefix_caching=False, **base)
+    prompts = _prompts(llm.get_tokenizer())[:24]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+    per_token = llm.engine.core.worker.kv_bytes_per_token
+    del llm
+    gc.collect()
+    for cfg in (dict(max_num_batched_tokens=16), dict(kv_cache_memory=45 * 16 * per_token)):
+        llm = LLM(**{"kv_cache_memory": "64MiB", "enable_prefix_caching": True, **cfg, **base})
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        for i, (o, a) in enumerate(zip(outs, alone)):
+            assert o.token_ids == a.token_ids, (cfg, i)
+            assert [d[t].logprob for d, t in zip(o.logprobs, o.token_ids)] == \
+                [d[t].logprob for d, t in zip(a.logprobs, a.token_ids)], (cfg, i)
+        core = llm.engine.core
+        assert core.kv.prefix_hits > 0 and (core.scheduler.num_preemptions > 0 or "kv_cache_memory" not in cfg)
+        assert core.kv.pool.num_free_blocks == core.kv.num_blocks
+        del llm
+        gc.collect()
