@@ -63,9 +63,10 @@ def test_a_stop_string_completed_mid_step_drops_the_steps_later_tokens():
 
 
 def _feature_requests(tok) -> tuple[list[str], list[SamplingParams]]:
-    """Greedy requests on repetitive prompts (so that drafts are taken), each with what makes a
-    verification position's logits depend on the drafts before it: penalties over the output so far,
-    min_tokens counting them, a bias, stop ids, and logprobs of prompt and output."""
+    """Greedy requests on repetitive prompts (so that drafts are taken), each with something a
+    verification applies per position: penalties over the output up to it, min_tokens counting it
+    (its stop ids banned until then), a bias, stop ids ending the output mid-step, and logprobs of
+    prompt and output."""
     ids = tok.encode(" two three fox", add_special_tokens=False)
     kinds = [dict(repetition_penalty=1.3), dict(presence_penalty=1.0), dict(frequency_penalty=0.7),
              dict(frequency_penalty=-0.5, presence_penalty=0.5, repetition_penalty=0.9),
@@ -115,6 +116,7 @@ def test_penalties_bias_min_tokens_and_logprobs_are_those_of_no_speculation():
         got = _outputs(llm, prompts, params)
         for i, ((got_prompt, got_choices), (want_prompt, want_choices)) in enumerate(zip(got, want)):
             assert _same_logprobs(got_prompt, want_prompt), f"request {i} ({params[i]}): prompt logprobs"
+            assert len(got_choices) == len(want_choices)
             for (gt, gx, gf, gl), (wt, wx, wf, wl) in zip(got_choices, want_choices):
                 assert (gt, gx, gf) == (wt, wx, wf), f"request {i} ({params[i]})"
                 assert _same_logprobs(gl, wl), f"request {i} ({params[i]}): logprobs"
