@@ -65,8 +65,8 @@ def test_drafts_stay_within_max_tokens():
 
 
 def test_a_request_grows_to_max_model_len_in_a_pool_that_holds_just_that():
-    """A draft model's lookahead slots end at max_model_len, where drafting stops: with 3 slots past a
-    15-token prompt the request could never be admitted to 4 blocks of 4, and waited forever."""
+    """A draft model's lookahead slots end at max_model_len, where drafting stops: at 15 of 16 tokens,
+    3 slots past them asked for a fifth block of a pool of 4 blocks of 4, and the request waited forever."""
     kv = KVCacheManager(4, 4, enable_caching=False)
     sched = Scheduler(kv, max_num_batched_tokens=64, max_num_seqs=4, max_model_len=16, num_lookahead_slots=3)
     req = Request("r", list(range(1, 14)), CoreSamplingParams(temperature=0), [0], max_tokens=3, arrival_time=0)
