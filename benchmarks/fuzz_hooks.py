@@ -59,14 +59,14 @@ def completion_fits(body: dict) -> bool:
     if best_of is not None and best_of != n:
         return False
     max_tokens = _int(body.get("max_tokens"))
-    max_tokens = 16 if max_tokens is None else max(max_tokens, 1)
+    max_tokens = 16 if max_tokens is None else max_tokens  # 0: an echo of the prompt alone, which may fill the context
     if (_int(body.get("min_tokens")) or 0) > max_tokens:
         return False
     for p in prompts:
         tokens = _bytes(p) + 1 if isinstance(p, str) else len(p)  # + a BOS token
         if tokens + max_tokens > MAX_MODEL_LEN:
             return False
-    return n * len(prompts) * max_tokens <= TOKEN_BUDGET
+    return n * len(prompts) * max(max_tokens, 1) <= TOKEN_BUDGET
 
 
 def _rendered_tokens(body: dict) -> int | None:

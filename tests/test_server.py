@@ -291,3 +291,25 @@ def test_health_answers_under_load(server):
         assert not all(f.done() for f in futures), "the streams ended before health was asked: no load"
         assert all(f.result().status_code == 200 for f in futures)
     assert statuses == [200] * 5
+
+
+def test_an_echo_of_a_prompt_that_fills_the_context(server, client):
+    """lm-evaluation-harness cuts a loglikelihood request's context to its max_length: with that at
+    the model's length, an echo with max_tokens 0 fills the context exactly (vLLM serves it). One
+    token more, or any output, does not fit."""
+    limit = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    text = " ".join(f"{i} bottles of beer on the wall." for i in range(400))
+    ids = post(server, "/tokenize", {"prompt": text}).json()["tokens"]
+    assert len(ids) > limit
+    full = client.completions.create(model=MODEL, prompt=ids[:limit], max_tokens=0, echo=True, logprobs=0)
+    c = full.choices[0]
+    assert full.usage.prompt_tokens == limit and full.usage.completion_tokens == 0
+    assert len(c.logprobs.tokens) == limit and all(v <= 0 for v in c.logprobs.token_logprobs[1:])
+    # the same prompt less its last token: the same logprobs (to a few thousandths: with 8-bit activation
+    # codes, this model's default, a position's value moves that much with the other rows of its chunk)
+    shorter = client.completions.create(model=MODEL, prompt=ids[:limit - 1], max_tokens=0, echo=True, logprobs=0)
+    assert c.logprobs.token_logprobs[1:-1] == pytest.approx(shorter.choices[0].logprobs.token_logprobs[1:], abs=0.02)
+    for body in ({"prompt": ids[:limit + 1], "max_tokens": 0, "echo": True},
+                 {"prompt": ids[:limit], "max_tokens": 1, "echo": True}, {"prompt": ids[:limit], "max_tokens": 1}):
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text

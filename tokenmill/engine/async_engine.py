@@ -173,12 +173,13 @@ class AsyncLLMEngine:
 
     def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                  add_special_tokens: bool = True, prompt_token_ids: list[int] | None = None, priority: int = 0,
-                 admit: Callable[[int, int, int], None] | None = None) -> RequestStream:
+                 admit: Callable[[int, int, int], None] | None = None, prompt_only: bool = False) -> RequestStream:
         """Validate and submit a request; returns an async iterator of its outputs (deltas unless
         FINAL_ONLY). Bad input raises here, before anything is streamed. A caller that tokenized a
         long text off the event loop passes its ids as `prompt_token_ids`. `priority`: lower is served
         first (priority scheduling policy). `admit(prompt tokens, max tokens, sequences)` is called
-        once the request is validated, before it is submitted; raising there rejects it."""
+        once the request is validated, before it is submitted; raising there rejects it. `prompt_only`:
+        see InputProcessor.process."""
         if self.dead_error is not None:
             raise EngineDeadError("the engine is not running") from self.dead_error
         if params.output_kind == RequestOutputKind.CUMULATIVE:  # streams carry deltas
@@ -188,7 +189,8 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is in flight", param="request_id")
         processed = self.engine.process(request_id, prompt, params, add_special_tokens=add_special_tokens,
-                                        prompt_token_ids=prompt_token_ids, priority=priority)
+                                        prompt_token_ids=prompt_token_ids, priority=priority,
+                                        prompt_only=prompt_only)
         children = processed.children
         if admit is not None:
             admit(len(processed.prompt_token_ids), children[0].max_tokens, len(children))

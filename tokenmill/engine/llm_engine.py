@@ -122,11 +122,13 @@ class LLMEngine:
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                 arrival_time: float | None = None, add_special_tokens: bool = True,
-                prompt_token_ids: list[int] | None = None, priority: int = 0) -> ProcessedRequest:
+                prompt_token_ids: list[int] | None = None, priority: int = 0,
+                prompt_only: bool = False) -> ProcessedRequest:
         """Tokenize and validate (thread-safe; raises InvalidRequestError for bad input). `priority`:
-        lower is served first, under the priority scheduling policy (else it must be 0)."""
+        lower is served first, under the priority scheduling policy (else it must be 0). `prompt_only`:
+        see InputProcessor.process."""
         return self.processor.process(request_id, prompt, params or SamplingParams(), arrival_time,
-                                      add_special_tokens, prompt_token_ids, priority)
+                                      add_special_tokens, prompt_token_ids, priority, prompt_only)
 
     def add_processed(self, *processed: ProcessedRequest) -> None:
         """Submit validated requests; several at once reach the core before its next step."""

@@ -90,8 +90,11 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float | None = None, add_special_tokens: bool = True,
-                prompt_token_ids: list[int] | None = None, priority: int = 0) -> ProcessedRequest:
-        """`prompt_token_ids`: the text prompt's ids when the caller tokenized it already."""
+                prompt_token_ids: list[int] | None = None, priority: int = 0,
+                prompt_only: bool = False) -> ProcessedRequest:
+        """`prompt_token_ids`: the text prompt's ids when the caller tokenized it already. `prompt_only`:
+        the caller keeps none of the output (an echo with max_tokens 0, which runs as max_tokens 1 for
+        the prompt's logprobs), so the prompt may fill max_model_len, as in vLLM."""
         self.check_priority(priority)
         if isinstance(prompt, str):
             text = prompt
@@ -100,7 +103,7 @@ class InputProcessor:
             text, ids = None, list(prompt)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        max_tokens = self.check_length(len(ids), params.max_tokens)  # first: it bounds the loop below
+        max_tokens = self.check_length(len(ids), params.max_tokens, prompt_only)  # first: it bounds the loop below
         if text is None and any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
                                 for t in ids):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt")
@@ -124,9 +127,12 @@ class InputProcessor:
             raise InvalidRequestError(f"priority {priority} needs the priority scheduling policy (the server runs "
                                       f"with --scheduling-policy fcfs)", param="priority")
 
-    def check_length(self, num_prompt: int, max_tokens: int | None) -> int:
-        """The effective max_tokens; rejects what can never fit the model length."""
+    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_only: bool = False) -> int:
+        """The effective max_tokens; rejects what can never fit the model length. A prompt-only request's
+        one token is sampled from the prompt's last position and never fed back: it needs no room."""
         limit = self.max_model_len
+        if prompt_only and num_prompt <= limit:
+            return 1
         if num_prompt >= limit:
             raise InvalidRequestError(
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "

@@ -154,8 +154,8 @@ def _fill_limits(node: Any, limits: dict[str, Any]) -> None:
         return
     if node.pop(TOKEN_ID, False):
         node["maximum"] = limits["vocab_size"] - 1
-    if node.pop(TOKEN_LIST, False):
-        node["maxItems"] = limits["max_model_len"] - 1
+    if node.pop(TOKEN_LIST, False):  # all of it: an echo with max_tokens 0 may fill the context
+        node["maxItems"] = limits["max_model_len"]
     if node.pop(OUTPUT_TOKENS, False):
         node["maximum"] = limits["max_model_len"] - 1
     if node.pop(LOGPROBS, False):

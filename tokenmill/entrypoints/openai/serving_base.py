@@ -97,7 +97,7 @@ class ServingBase:
         return await asyncio.get_running_loop().run_in_executor(_tokenizer_pool, self.engine.detokenize, tokens)
 
     async def submit(self, request_id: str, prompts: list, params: SamplingParams, add_special_tokens: bool = True,
-                     priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
+                     priority: int = 0, prompt_only: bool = False) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Submit every prompt as its own engine request (bad input, or an SLO the load would break,
         raises here, before anything streams); returns an iterator of (prompt index, output) within
         the request timeout. Leaving it early aborts every request."""
@@ -108,7 +108,7 @@ class ServingBase:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(self.engine.generate(prompt, params, rid, add_special_tokens=add_special_tokens,
                                                     prompt_token_ids=ids[i], priority=priority,
-                                                    admit=self.state.slo_gate))
+                                                    admit=self.state.slo_gate, prompt_only=prompt_only))
         except BaseException:
             for s in streams:
                 s.close()

@@ -40,7 +40,7 @@ class CompletionServing(ServingBase):
             prompts = await self._fill_in_the_middle(req, prompts)
         request_id = self.new_id()
         # submit every prompt now, so that bad input fails before a stream starts
-        streams = await self.submit(request_id, prompts, params, priority=req.priority)
+        streams = await self.submit(request_id, prompts, params, priority=req.priority, prompt_only=echo_only)
         if req.stream:
             return self._stream(req, request_id, streams, echo_only, t0)
         results: list[RequestOutput | None] = [None] * len(prompts)
