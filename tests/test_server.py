@@ -313,3 +313,13 @@ def test_an_echo_of_a_prompt_that_fills_the_context(server, client):
                  {"prompt": ids[:limit], "max_tokens": 1, "echo": True}, {"prompt": ids[:limit], "max_tokens": 1}):
         r = post(server, "/v1/completions", body)
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+
+
+def test_a_suffix_needs_fim_tokens_and_the_schema_says_so(server):
+    """SmolLM2 has no FIM tokens: its schema takes no suffix but an empty one, and the server agrees."""
+    from tests.test_fill_in_the_middle import suffix_schema
+
+    assert suffix_schema(server)["maxLength"] == 0
+    r = post(server, "/v1/completions", {"prompt": "def f():", "suffix": "\n", "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+    assert post(server, "/v1/completions", {"prompt": "def f():", "suffix": "", "max_tokens": 2}).status_code == 200

@@ -71,6 +71,8 @@ HOSTILE = [
     ("/v1/chat/completions", b'{"messages": [], "chat_template_kwargs": ' + b'{"a":' * 3000 + b"1" + b"}" * 3001, 400),
     ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": '
                              rb'{"messages": 1}}', 400),
+    ("/tokenize", rb'{"prompt": "x", "chat_template_kwargs": {"truncation": 1}}', 400),  # unused, still refused
+    ("/tokenize", rb'{"prompt": "x", "continue_final_message": true}', 400),  # the schema's rule, prompt or messages
     ("/v1/chat/completions", rb'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}', 400),
     ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400),
     ("/v1/completions", b"[1, 2]", 400),

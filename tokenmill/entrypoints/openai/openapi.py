@@ -12,9 +12,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 # markers the request models put on fields whose bounds are only known once the model is loaded
-TOKEN_ID, TOKEN_LIST, TOKEN_KEY, OUTPUT_TOKENS, LOGPROBS, SERVED_MODEL, PROMPT_CHARS, PRIORITY = (
+TOKEN_ID, TOKEN_LIST, TOKEN_KEY, OUTPUT_TOKENS, LOGPROBS, SERVED_MODEL, PROMPT_CHARS, PRIORITY, FIM_SUFFIX = (
     "x-token-id", "x-token-list", "x-token-key", "x-output-tokens", "x-logprobs", "x-served-model",
-    "x-prompt-chars", "x-priority")
+    "x-prompt-chars", "x-priority", "x-fim-suffix")
 
 
 class ErrorDetail(BaseModel):
@@ -166,6 +166,8 @@ def _fill_limits(node: Any, limits: dict[str, Any]) -> None:
         node["maxLength"] = limits["max_prompt_chars"]
     if node.pop(PRIORITY, False) and not limits["priority_scheduling"]:
         node["enum"] = [0]  # under fcfs any other priority is a 400
+    if node.pop(FIM_SUFFIX, False) and not limits["fill_in_the_middle"]:
+        node["maxLength"] = 0  # a model without FIM tokens takes no suffix (an empty one is none)
     if node.pop(SERVED_MODEL, False):
         node["enum"] = [limits["model"], None]
     for value in node.values():

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, model_validator
 
 from tokenmill.entrypoints.openai.openapi import (
+    FIM_SUFFIX,
     LOGPROBS,
     OUTPUT_TOKENS,
     PRIORITY,
@@ -174,7 +175,9 @@ class SamplingFields(OpenAIModel):
 
 class CompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra={"allOf": [
-        _STREAM_OPTIONS_NEED_STREAM, _implies("max_tokens", {"const": 0}, "echo", True)]})
+        _STREAM_OPTIONS_NEED_STREAM, _implies("max_tokens", {"const": 0}, "echo", True),
+        {"if": {"properties": {"suffix": {"type": "string", "minLength": 1}}, "required": ["suffix"]},
+         "then": {"properties": {"echo": {"const": False}}}}]})
     prompt: NonEmptyPrompt | Annotated[list[NonEmptyPrompt], Field(min_length=1, max_length=MAX_CHOICES)] | TokenIds | \
         Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)] = Field(
             description="Text, a list of texts, token ids, or a list of token-id lists. Each prompt plus max_tokens "
@@ -184,9 +187,10 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Int | None = Field(None, ge=0, json_schema_extra={LOGPROBS: True})
     best_of: Int | None = Field(None, ge=1, description="Only equal to n (no server-side ranking).")
-    suffix: str | None = Field(None, description="Fill in the middle: the text after the completion; the prompt is "
-                                                 "the text before it. Needs a model with FIM tokens (400 otherwise); "
-                                                 "not with echo.")
+    suffix: str | None = Field(None, json_schema_extra={FIM_SUFFIX: True},
+                               description="Fill in the middle: the text after the completion; the prompt is the "
+                                           "text before it. Needs a model with FIM tokens (400 otherwise); not with "
+                                           "echo.")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -216,7 +220,17 @@ RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "c
                             "add_generation_prompt", "continue_final_message", "tokenize", "padding",
                             "truncation", "max_length", "return_tensors", "return_dict",
                             "return_assistant_tokens_mask", "tokenizer_kwargs")
-TemplateKwargs = Annotated[dict[str, Any], Field(json_schema_extra={
+
+
+def _no_reserved_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Checked whether or not a template renders (/tokenize of a prompt too): the schema says so."""
+    reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+    return kwargs
+
+
+TemplateKwargs = Annotated[dict[str, Any], AfterValidator(_no_reserved_kwargs), Field(json_schema_extra={
     "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_KWARGS)}}})]
 
 
@@ -256,6 +270,13 @@ class TokenizeRequest(OpenAIModel):
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = Field(None, description="With messages: rendered as a chat request would.")
     chat_template_kwargs: TemplateKwargs | None = None
+
+    @model_validator(mode="after")
+    def _continue_needs_no_generation_prompt(self) -> TokenizeRequest:
+        """The schema's rule holds for a prompt too, where no template renders (render_chat checks messages)."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
 
 
 class DetokenizeRequest(OpenAIModel):

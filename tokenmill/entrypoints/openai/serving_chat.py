@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 
 from tokenmill.entrypoints.openai.logprobs import chat_logprobs
-from tokenmill.entrypoints.openai.protocol import RESERVED_TEMPLATE_KWARGS, ChatCompletionRequest
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest
 from tokenmill.entrypoints.openai.serving_base import ServingBase, Usage, check_choices
 from tokenmill.entrypoints.openai.tool_parser import ToolCallParser
 from tokenmill.entrypoints.openai.tools import (
@@ -28,10 +28,6 @@ class ChatServing(ServingBase):
     def render(self, messages: list, add_generation_prompt: bool, tools: ToolRequest | None,
                chat_template_kwargs: dict | None, continue_final_message: bool = False) -> str:
         """The prompt text the chat template makes of these messages (what /tokenize counts, too)."""
-        reserved = sorted(set(chat_template_kwargs or {}) & set(RESERVED_TEMPLATE_KWARGS))
-        if reserved:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}",
-                                      param="chat_template_kwargs")
         dicts = [{**m.model_dump(exclude_none=True), "role": "system" if m.role == "developer" else m.role}
                  for m in messages]
         dicts, tool_kwargs = prepare_messages(dicts, tools, template_supports_tools(self.engine.chat_template),
