@@ -132,12 +132,15 @@ void row_chunk(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table
   const int32_t* wp[G];
   float* op[G];
   stage_values<NV, C>(kv, table, L, t0, n, BS, row, h, vt, sv);
+  float* pp[G];
+  int32_t* wq[G];
   for (int g = 0; g < G; ++g) {
-    float* p = part.at(b, h * G + g, t0 / kKeyChunk);
-    p[1] = softmax_weights<C>(sp[g], n, sv, p[0], w[g]);
+    pp[g] = part.at(b, h * G + g, t0 / kKeyChunk);
+    wq[g] = w[g];
     wp[g] = w[g];
-    op[g] = p + 2;
+    op[g] = pp[g] + 2;
   }
+  softmax_weights_of<C>(sp, G, n, sv, pp, wq);
   pair_sums_of<NV>(vt, wp, G, (n + 1) / 2, op);
 }
 
@@ -151,14 +154,15 @@ struct Scratch {  // a thread's buffers, reused across its tasks
   std::vector<int32_t> qbuf, wbuf;
   std::vector<__m512i> kt;  // the staged keys, then the staged values
   std::vector<const int32_t*> qp, wp;
-  std::vector<float*> sp, op;
+  std::vector<float*> sp, op, pp;  // pp: each (row, head)'s partial
+  std::vector<int32_t*> wq;  // its weights, written by the softmax
 };
 
 template <int NV, typename C>
 void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table, const int64_t* seq_lens,
                     int64_t b0, int64_t R, int64_t h, int64_t H, int64_t G, int64_t row, int64_t BS, int64_t t0,
                     float scale, Partials& part, Scratch& scratch) {
-  auto& [scores, qbuf, wbuf, kt, qp, wp, sp, op] = scratch;
+  auto& [scores, qbuf, wbuf, kt, qp, wp, sp, op, pp, wq] = scratch;
   constexpr int64_t D = 16 * NV;
   const int64_t L0 = seq_lens[b0], Lmax = seq_lens[b0 + R - 1];
   const int64_t t1 = std::min(t0 + kKeyChunk, Lmax), n = t1 - t0;
@@ -173,6 +177,8 @@ void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* 
   wp.resize(Q);
   sp.resize(Q);
   op.resize(Q);
+  pp.resize(Q);
+  wq.resize(Q);
   for (int64_t i = 0; i < Q; ++i) {
     query_pairs<NV>(q + ((b0 + r0 + i / G) * H + h * G + i % G) * D, &qbuf[i * 8 * NV]);
     qp[i] = &qbuf[i * 8 * NV];
@@ -182,19 +188,22 @@ void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* 
   chunk_scores<NV>(qp.data(), Q, kt.data(), n, sv, sp.data());
   __m512i* vt = kt.data() + kKeyChunk / 16 * 8 * NV;
   stage_values<NV, C>(kv, table, Lmax, t0, n, BS, row, h, vt, sv);
-  for (int64_t r = r0; r < R; ++r) {
-    const int64_t nr = std::min(t1, L0 + r) - t0;  // the keys this row reaches
+  for (int64_t r = r0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t i = (r - r0) * G + g;
-      float* p = part.at(b0 + r, h * G + g, t0 / kKeyChunk);
-      p[1] = softmax_weights<C>(sp[i], nr, sv, p[0], &wbuf[i * kKeyChunk / 2]);
-      wp[i] = &wbuf[i * kKeyChunk / 2];
-      op[i] = p + 2;
+      pp[i] = part.at(b0 + r, h * G + g, t0 / kKeyChunk);
+      wq[i] = &wbuf[i * kKeyChunk / 2];
+      wp[i] = wq[i];
+      op[i] = pp[i] + 2;
     }
-  }
   if (L0 + r0 >= t1) {  // every row reaches all n keys: the queries of all rows together
+    softmax_weights_of<C>(sp.data(), Q, n, sv, pp.data(), wq.data());
     pair_sums_of<NV>(vt, wp.data(), Q, (n + 1) / 2, op.data());
   } else {
+    for (int64_t r = r0; r < R; ++r) {  // each row over the keys it reaches
+      const int64_t i = (r - r0) * G;
+      softmax_weights_of<C>(sp.data() + i, G, std::min(t1, L0 + r) - t0, sv, pp.data() + i, wq.data() + i);
+    }
     for (int64_t r = r0; r < R; ++r)
       pair_sums_of<NV>(vt, wp.data() + (r - r0) * G, G, (std::min(t1, L0 + r) - t0 + 1) / 2, op.data() + (r - r0) * G);
   }

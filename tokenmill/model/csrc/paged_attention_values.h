@@ -47,36 +47,61 @@ inline __m256i bf16x16_rne(__m512 x) {
 #endif
 }
 
-// softmax_partial for one chunk's scores s (n <= kKeyChunk; s holds 16 * ceil(n / 16) floats), in
-// registers, the tail masked rather than a scalar exp per key: returns sum_t e^(s[t] - max), the
-// max in m_out, and writes the weights as bf16 pairs w[u] (tokens 2u, 2u + 1; zero past n):
-// e^(s[t] - max) times the token's scale in a quantized cache (vs), rounded from the same
-// registers (stored as floats and read back, the scores waited on their stores).
-template <typename C>
-inline float softmax_weights(const float* s, int64_t n, const float* vs, float& m_out, int32_t* w) {
+// softmax_partial for one chunk's scores of N queries (s[j], n <= kKeyChunk keys each; s[j] holds
+// 16 * ceil(n / 16) floats), in registers, the tail masked rather than a scalar exp per key: p[j][0]
+// <- the max, p[j][1] <- sum_t e^(s[j][t] - max), and the weights as bf16 pairs w[j][u] (tokens 2u,
+// 2u + 1; zero past n): e^(s[j][t] - max) times the token's scale in a quantized cache (vs), rounded
+// from the same registers (stored as floats and read back, the scores waited on their stores).
+// The N queries' operations interleave (one query's reductions and exps alone left the core waiting
+// on their latency) but each query's are those of N = 1, in the same order: its result does not
+// depend on N.
+template <typename C, int N>
+inline void softmax_weights(float* const* s, int64_t n, const float* vs, float* const* p, int32_t* const* w) {
   const int64_t nv = (n + 15) / 16;
-  __m512 v[kKeyChunk / 16];
+  __m512 v[N][kKeyChunk / 16];
   __mmask16 k[kKeyChunk / 16];
-  __m512 mx = _mm512_set1_ps(-INFINITY);
+  __m512 mx[N];
+  for (int j = 0; j < N; ++j) mx[j] = _mm512_set1_ps(-INFINITY);
   for (int64_t i = 0; i < nv; ++i) {
     k[i] = n - 16 * i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - 16 * i)) - 1);
-    // a plain load where the vector is whole: the scores were just stored, and on an AMD Zen 4 a
-    // masked load waited on those stores (perf's samples piled up behind it)
-    v[i] = k[i] == 0xFFFF ? _mm512_loadu_ps(s + 16 * i)
-                          : _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k[i], s + 16 * i);
-    mx = _mm512_max_ps(mx, v[i]);
+    for (int j = 0; j < N; ++j) {
+      // a plain load where the vector is whole: the scores were just stored, and on an AMD Zen 4 a
+      // masked load waited on those stores (perf's samples piled up behind it)
+      v[j][i] = k[i] == 0xFFFF ? _mm512_loadu_ps(s[j] + 16 * i)
+                               : _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k[i], s[j] + 16 * i);
+      mx[j] = _mm512_max_ps(mx[j], v[j][i]);
+    }
   }
-  const float m = _mm512_reduce_max_ps(mx);
-  m_out = m;
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t i = 0; i < nv; ++i) {
-    const __m512 e = _mm512_maskz_mov_ps(k[i], at::vec::Vectorized<float>(_mm512_sub_ps(v[i], _mm512_set1_ps(m))).exp_u20());
-    sum = _mm512_add_ps(sum, e);
-    __m512 x = e;
-    if constexpr (!std::is_same_v<C, at::BFloat16>) x = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(k[i], vs + 16 * i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + 8 * i), bf16x16_rne(x));
+  __m512 m[N], sum[N];
+  for (int j = 0; j < N; ++j) {
+    const float mj = _mm512_reduce_max_ps(mx[j]);
+    p[j][0] = mj;
+    m[j] = _mm512_set1_ps(mj);
+    sum[j] = _mm512_setzero_ps();
   }
-  return _mm512_reduce_add_ps(sum);
+  for (int64_t i = 0; i < nv; ++i)
+    for (int j = 0; j < N; ++j) {
+      const __m512 e = _mm512_maskz_mov_ps(k[i], at::vec::Vectorized<float>(_mm512_sub_ps(v[j][i], m[j])).exp_u20());
+      sum[j] = _mm512_add_ps(sum[j], e);
+      __m512 x = e;
+      if constexpr (!std::is_same_v<C, at::BFloat16>) x = _mm512_mul_ps(x, _mm512_maskz_loadu_ps(k[i], vs + 16 * i));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w[j] + 8 * i), bf16x16_rne(x));
+    }
+  for (int j = 0; j < N; ++j) p[j][1] = _mm512_reduce_add_ps(sum[j]);
+}
+
+// softmax_weights for nq queries over the same n keys, up to 4 interleaved
+template <typename C>
+inline void softmax_weights_of(float* const* s, int64_t nq, int64_t n, const float* vs, float* const* p,
+                               int32_t* const* w) {
+  for (int64_t i = 0; i < nq; i += 4) {
+    switch (std::min<int64_t>(4, nq - i)) {
+      case 1: softmax_weights<C, 1>(s + i, n, vs, p + i, w + i); break;
+      case 2: softmax_weights<C, 2>(s + i, n, vs, p + i, w + i); break;
+      case 3: softmax_weights<C, 3>(s + i, n, vs, p + i, w + i); break;
+      default: softmax_weights<C, 4>(s + i, n, vs, p + i, w + i); break;
+    }
+  }
 }
 
 // sum over pairs u < npairs of w_i[u] . vt[u] for NH weight rows (out_i, D floats in dim order),
