@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psutil
 
 from tokenmill.bench.server_process import ServerProcess as _ServerProcess
@@ -43,6 +44,12 @@ def checked_server(*args: str) -> Iterator[ServerProcess]:
     yield srv
     assert srv.stop() == 0, srv.log()
     assert "Traceback" not in srv.log(), srv.log()
+
+
+def suffix_schema(server) -> dict:
+    """What the server's /openapi.json says of /v1/completions' `suffix`."""
+    schemas = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
+    return schemas["CompletionRequest"]["properties"]["suffix"]
 
 
 def ipc_folders(pid: int) -> set[Path]:

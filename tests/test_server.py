@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import checked_server
+from tests.server_utils import checked_server, suffix_schema
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Write one sentence about the sea."}]
@@ -317,8 +317,6 @@ def test_an_echo_of_a_prompt_that_fills_the_context(server, client):
 
 def test_a_suffix_needs_fim_tokens_and_the_schema_says_so(server):
     """SmolLM2 has no FIM tokens: its schema takes no suffix but an empty one, and the server agrees."""
-    from tests.test_fill_in_the_middle import suffix_schema
-
     assert suffix_schema(server)["maxLength"] == 0
     r = post(server, "/v1/completions", {"prompt": "def f():", "suffix": "\n", "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"

@@ -44,7 +44,6 @@ from tokenmill.entrypoints.openai.serving_completion import CompletionServing
 from tokenmill.entrypoints.openai.tools import parse_tools
 from tokenmill.entrypoints.openai.wire import SafeJSONResponse, StrictJSONRoute
 from tokenmill.errors import InvalidRequestError, ServiceUnavailableError, describe_error
-from tokenmill.model.special_tokens import find_fim_tokens
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -78,7 +77,7 @@ class ServerState:
         return {"model": self.model_name, "vocab_size": e.vocab_size, "max_model_len": e.max_model_len,
                 "max_logprobs": e.max_logprobs, "max_prompt_chars": e.max_prompt_chars,
                 "priority_scheduling": self.engine_config.scheduler.scheduling_policy == "priority",
-                "fill_in_the_middle": find_fim_tokens(e.tokenizer.get_vocab()) is not None}
+                "fill_in_the_middle": self.completions.fill_in_the_middle}
 
     def ready(self) -> AsyncLLMEngine:
         if self.engine is None:

@@ -60,6 +60,11 @@ class CompletionServing(ServingBase):
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
                 "choices": choices, "usage": usage.to_dict()}
 
+    @property
+    def fill_in_the_middle(self) -> bool:
+        """Whether the model has FIM tokens (the schema's `suffix` says so)."""
+        return self._fim[0] is not None
+
     @functools.cached_property
     def _fim(self) -> tuple[FimTokens | None, list[int]]:
         """The model's FIM tokens, and what its tokenizer puts before a text (a BOS, or nothing)."""

@@ -129,7 +129,6 @@ void row_chunk(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table
   chunk_scores<NV>(qp, G, kt, n, sv, sp);
   alignas(64) __m512i vt[kKeyChunk / 2 * NV];
   alignas(64) int32_t w[G][kKeyChunk / 2];
-  const int32_t* wp[G];
   float* op[G];
   stage_values<NV, C>(kv, table, L, t0, n, BS, row, h, vt, sv);
   float* pp[G];
@@ -137,11 +136,10 @@ void row_chunk(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table
   for (int g = 0; g < G; ++g) {
     pp[g] = part.at(b, h * G + g, t0 / kKeyChunk);
     wq[g] = w[g];
-    wp[g] = w[g];
     op[g] = pp[g] + 2;
   }
   softmax_weights_of<C>(sp, G, n, sv, pp, wq);
-  pair_sums_of<NV>(vt, wp, G, (n + 1) / 2, op);
+  pair_sums_of<NV>(vt, wq, G, (n + 1) / 2, op);
 }
 
 // Rows [b0, b0 + R) of one run (lengths L0, L0 + 1, ...), kv head h, keys [t0, t0 + kKeyChunk):
@@ -153,7 +151,7 @@ struct Scratch {  // a thread's buffers, reused across its tasks
   std::vector<float> scores;
   std::vector<int32_t> qbuf, wbuf;
   std::vector<__m512i> kt;  // the staged keys, then the staged values
-  std::vector<const int32_t*> qp, wp;
+  std::vector<const int32_t*> qp;
   std::vector<float*> sp, op, pp;  // pp: each (row, head)'s partial
   std::vector<int32_t*> wq;  // its weights, written by the softmax
 };
@@ -162,7 +160,7 @@ template <int NV, typename C>
 void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* table, const int64_t* seq_lens,
                     int64_t b0, int64_t R, int64_t h, int64_t H, int64_t G, int64_t row, int64_t BS, int64_t t0,
                     float scale, Partials& part, Scratch& scratch) {
-  auto& [scores, qbuf, wbuf, kt, qp, wp, sp, op, pp, wq] = scratch;
+  auto& [scores, qbuf, wbuf, kt, qp, sp, op, pp, wq] = scratch;
   constexpr int64_t D = 16 * NV;
   const int64_t L0 = seq_lens[b0], Lmax = seq_lens[b0 + R - 1];
   const int64_t t1 = std::min(t0 + kKeyChunk, Lmax), n = t1 - t0;
@@ -174,7 +172,6 @@ void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* 
   kt.resize(kKeyChunk / 16 * 8 * NV + kKeyChunk / 2 * NV);
   float* sv = scores.data() + Q * kKeyChunk;
   qp.resize(Q);
-  wp.resize(Q);
   sp.resize(Q);
   op.resize(Q);
   pp.resize(Q);
@@ -193,19 +190,18 @@ void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* 
       const int64_t i = (r - r0) * G + g;
       pp[i] = part.at(b0 + r, h * G + g, t0 / kKeyChunk);
       wq[i] = &wbuf[i * kKeyChunk / 2];
-      wp[i] = wq[i];
       op[i] = pp[i] + 2;
     }
   if (L0 + r0 >= t1) {  // every row reaches all n keys: the queries of all rows together
     softmax_weights_of<C>(sp.data(), Q, n, sv, pp.data(), wq.data());
-    pair_sums_of<NV>(vt, wp.data(), Q, (n + 1) / 2, op.data());
+    pair_sums_of<NV>(vt, wq.data(), Q, (n + 1) / 2, op.data());
   } else {
     for (int64_t r = r0; r < R; ++r) {  // each row over the keys it reaches
       const int64_t i = (r - r0) * G;
       softmax_weights_of<C>(sp.data() + i, G, std::min(t1, L0 + r) - t0, sv, pp.data() + i, wq.data() + i);
     }
     for (int64_t r = r0; r < R; ++r)
-      pair_sums_of<NV>(vt, wp.data() + (r - r0) * G, G, (std::min(t1, L0 + r) - t0 + 1) / 2, op.data() + (r - r0) * G);
+      pair_sums_of<NV>(vt, wq.data() + (r - r0) * G, G, (std::min(t1, L0 + r) - t0 + 1) / 2, op.data() + (r - r0) * G);
   }
 }
 
