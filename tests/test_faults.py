@@ -18,6 +18,8 @@ import httpx
 import pytest
 
 from tests.server_utils import ServerProcess, ipc_folders, private_cache
+from tokenmill.model.quant_kernels import variant_for
+from tokenmill.utils.cpu import active_isa
 
 pytestmark = pytest.mark.slow
 FAULTS = {"schedule": 31999, "detokenize": 31998, "stop_check": 31997}
@@ -159,13 +161,16 @@ def _processes_naming(path) -> list[str]:
 
 
 def test_sigkill_mid_kernel_build_then_restart(tmp_path):
-    # only the attention kernels are built here (the quantized GEMMs and the model files are the
-    # session's): a kill mid-build and the restart's rebuild are the same, at a third of the cost
-    env = {"TOKENMILL_CACHE_DIR": str(private_cache(tmp_path, rebuild="tokenmill_cpu_kernels", model_files=True))}
-    srv = ServerProcess(env=env)
+    # only the int8 KV cache's kernels are built here (the others and the model files are the
+    # session's): a kill mid-build and the restart's rebuild are the same, at a fraction of the cost
+    # of the attention kernels' (~8 s a build against ~20)
+    library = f"tokenmill_quant_kv_{variant_for(active_isa())}"
+    env = {"TOKENMILL_CACHE_DIR": str(private_cache(tmp_path, rebuild=library, model_files=True))}
+    args = ("--kv-cache-dtype", "int8")
+    srv = ServerProcess(*args, env=env)
     try:
         deadline = time.monotonic() + 120
-        while "building tokenmill_cpu_kernels" not in srv.log():
+        while f"building {library}" not in srv.log():
             assert time.monotonic() < deadline and srv.proc.poll() is None, srv.log()
             time.sleep(0.05)
         # killed as soon as a process builds in the build's folder: a fixed wait could outlast a fast
@@ -186,14 +191,14 @@ def test_sigkill_mid_kernel_build_then_restart(tmp_path):
     while any(f.exists() for f in folders):
         assert time.monotonic() < deadline, f"the killed front end's sockets were left: {folders}"
         time.sleep(0.1)
-    again = ServerProcess(env=env).wait_ready(timeout=300)  # the kernel lock died with its holder
+    again = ServerProcess(*args, env=env).wait_ready(timeout=300)  # the kernel lock died with its holder
     try:
-        assert "cpu_paged attention" in again.log()
+        assert "cpu_paged attention" in again.log() and "int8 (" in again.log()
         assert not _own_builds(tmp_path)
         r = httpx.post(again.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200
         again.stop(signal.SIGKILL)  # and once more, warm
-        third = ServerProcess(env=env).wait_ready()
+        third = ServerProcess(*args, env=env).wait_ready()
         assert third.stop() == 0
     finally:
         again.stop()
