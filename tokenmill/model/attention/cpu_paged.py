@@ -2,10 +2,10 @@
 (no gather copy; 2.5-3x faster than gather + SDPA at 64 sequences, see csrc/). Prompt tokens go
 through the same kernel where it measured faster than SDPA's flash attention (`paged_prefill`:
 bf16 on AVX-512 without AMX, each token a row over the keys up to itself: one layer 1.1-2.6x SDPA
-from 128 to 4096 tokens on an AMD EPYC, BENCHMARKS.md). In fp32 with AVX2 a prompt chunk goes through
-csrc/prefill_attention.cpp (blocked like a GEMM, with an online softmax; `prefill_kernel`), with a
-bf16 or int8 cache too (over the chunk's own K/V, or its context dequantized); elsewhere prompts use
-SDPA as in the portable backend.
+from 128 to 4096 tokens on an AMD EPYC, BENCHMARKS.md). In fp32 with AVX2 or AVX-512 (not AMX) a
+prompt chunk goes through csrc/prefill_attention.cpp (blocked like a GEMM, with an online softmax;
+`prefill_kernel`), with a bf16 or int8 cache too (over the chunk's own K/V, or its context
+dequantized); elsewhere prompts use SDPA as in the portable backend.
 
 In batch-invariant mode (`per_row`), every token, prompt tokens included, goes through the decode
 kernel as its own query over the keys before it: its result then depends on nothing but its own
@@ -29,9 +29,11 @@ class PagedDecodes:
     seq_lens: torch.Tensor  # [num_decodes] int64
 
 
-# ISA levels where fp32 prompts take the blocked prompt kernel (measured against SDPA on an AVX2 EPYC;
-# with AVX-512, SDPA's wider GEMMs were not measured against it).
-PREFILL_KERNEL_ISAS = ("avx2",)
+# ISA levels where fp32 prompts take the blocked prompt kernel: one layer 1.3-1.8x SDPA's flash
+# attention from 128 to 2048 tokens on an AVX2 EPYC and on a Zen 4 with AVX-512 alike (BENCHMARKS.md),
+# and a row's result does not depend on the chunk's length (SDPA's last rows' did). AMX is left to
+# SDPA (not measured there).
+PREFILL_KERNEL_ISAS = ("avx2", "avx512", "avx512_bf16")
 # ISA levels where the decode kernel runs prompts too. AMX is left to SDPA (not measured: its bf16
 # GEMMs may use the tiles).
 PAGED_PREFILL_ISAS = ("avx512", "avx512_bf16")
