@@ -75,9 +75,9 @@ def test_quantized_cache_write_and_decode(variant, kind, dtype):
 @pytest.mark.parametrize("kind", list(STORAGE))
 @pytest.mark.parametrize("hkv,heads,d", [(2, 6, 64), (3, 9, 64), (2, 12, 128), (1, 10, 128)])
 def test_avx512_decode_reads_a_quantized_cache(kind, hkv, heads, d):
-    """The attention library's AVX-512 kernel on int8 / fp8 caches (bf16 queries): against SDPA over
-    the stored values, for plain rows and a verification run (rows over one table, lengths L..L+2),
-    each row the same as alone."""
+    """The attention library's AVX-512 kernel on int8 / fp8 caches (bf16 queries; int8 through the
+    fp32 path in an AVX2 build): against SDPA over the stored values, for plain rows and a
+    verification run (rows over one table, lengths L..L+2), each row the same as alone."""
     from tokenmill.model.kernels import load_cpu_kernels
 
     torch.manual_seed(1)
@@ -92,6 +92,7 @@ def test_avx512_decode_reads_a_quantized_cache(kind, hkv, heads, d):
     out = torch.empty_like(q)
     scaled = torch.ops.tokenmill.paged_decode_attention_scaled
     if not scaled(out, q, data[0], data[1], scale[0], scale[1], row_tables, row_lens, 0.125):
+        # an AVX2 build takes int8 through its fp32 path (the queries widened); fp8 needs AVX-512
         pytest.skip("no AVX-512 path on this CPU (or TOKENMILL_CPU_ISA caps it)")
     for i, (s, n) in enumerate(rows):
         torch.testing.assert_close(out[i].float(), _reference(q[i], data, scale, tables[s], n, d, hkv),

@@ -3,7 +3,8 @@
 // load. Two passes over the keys (scores, then exp with a vectorized exp) and one over the values.
 // The generic path below: one task per (sequence, kv head) on torch's intra-op thread pool. The
 // AVX-512 bf16 path (paged_attention_avx512.h) also splits each sequence's keys into chunks, and
-// so does the fp32 one with AVX2 (paged_attention_avx2.h).
+// so does the fp32 one with AVX2 (paged_attention_avx2.h), which a build without AVX-512 also runs
+// bf16 queries through, widened to fp32 (paged_attention_avx2_entry.h).
 // A speculative verification (1 + k tokens of one sequence) arrives as consecutive rows over the
 // same block table with lengths L, L + 1, ...: the bf16 path runs such a run of rows in the same
 // tasks, which load each K/V row once for all of them; the fp32 AVX2 path takes each chunk of keys
@@ -135,7 +136,7 @@ void decode_attention(T* out, const T* q, const T* k_cache, const T* v_cache, co
 #define TM_HAVE_AVX512_BF16_PATH 1
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-#include "paged_attention_avx2.h"
+#include "paged_attention_avx2_entry.h"
 #define TM_HAVE_AVX2_FP32_PATH 1
 #endif
 
@@ -157,36 +158,6 @@ void avx512_path(at::Tensor& out, const at::Tensor& q, const PagedKV<C>& kv, con
 }
 #endif
 
-#ifdef TM_HAVE_AVX2_FP32_PATH
-// fp32 queries over an int8 cache with scales, or a bf16 one without: the AVX2 fp32 path, its rows
-// widened as they load. false where it does not apply (fp8 caches, bf16 queries).
-bool avx2_scaled_path(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data, const at::Tensor& v_data,
-                      const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
-                      const at::Tensor& seq_lens, double scale) {
-  const bool scaled = k_scale.numel() > 0;
-  const auto cache = k_data.scalar_type();
-  if (q.scalar_type() != at::kFloat || q.size(2) % 32 != 0 || !((cache == at::kChar && scaled) ||
-                                                                (cache == at::kBFloat16 && !scaled)))
-    return false;
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_data.is_contiguous() && v_data.is_contiguous() &&
-                  k_scale.is_contiguous() && v_scale.is_contiguous() && out.scalar_type() == at::kFloat,
-              "paged_decode_attention_scaled: tensors must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
-              "paged_decode_attention_scaled: block tables and lengths must be int64");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), BS = k_data.size(1), Hkv = k_data.size(2);
-  auto bt = block_tables.contiguous();
-  auto sl = seq_lens.contiguous();
-  auto run = [&](auto tag, const float* ks, const float* vs) {
-    using C = decltype(tag);
-    decode_attention_avx2<C>(out.data_ptr<float>(), q.data_ptr<float>(), k_data.data_ptr<C>(), v_data.data_ptr<C>(),
-                             bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H, Hkv, D, BS, bt.size(1),
-                             static_cast<float>(scale), ks, vs);
-  };
-  if (scaled) run(int8_t{}, k_scale.data_ptr<float>(), v_scale.data_ptr<float>());
-  else run(at::BFloat16{}, nullptr, nullptr);
-  return true;
-}
-#endif
 
 // The AVX-512 path over an int8, fp8 e4m3 or fp8 e5m2 cache with per-token scales (quant_kv.cpp's layout):
 // false when it does not apply (another ISA, fp32 queries, head_dim not 64 or 128), and the caller
@@ -196,6 +167,13 @@ bool paged_decode_attention_scaled(at::Tensor out, const at::Tensor& q, const at
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
 #ifdef TM_HAVE_AVX2_FP32_PATH
   if (avx2_scaled_path(out, q, k_data, v_data, k_scale, v_scale, block_tables, seq_lens, scale)) return true;
+#ifndef TM_HAVE_AVX512_BF16_PATH
+  if (q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && q.is_contiguous() &&
+      out.is_contiguous())
+    return through_fp32(out, q, [&](at::Tensor& of, const at::Tensor& qf) {
+      return avx2_scaled_path(of, qf, k_data, v_data, k_scale, v_scale, block_tables, seq_lens, scale);
+    });
+#endif
 #endif
 #ifdef TM_HAVE_AVX512_BF16_PATH
   const int64_t D = q.size(2);
@@ -271,6 +249,14 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
         avx512_path(out, q, kv, bt, sl, Hkv, BS, static_cast<float>(scale));
         break;
       }
+#elif defined(TM_HAVE_AVX2_FP32_PATH)
+      through_fp32(out, q, [&](at::Tensor& of, const at::Tensor& qf) {
+        decode_attention_avx2(of.data_ptr<float>(), qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
+                              v_cache.data_ptr<at::BFloat16>(), bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H,
+                              Hkv, D, BS, bt.size(1), static_cast<float>(scale));
+        return true;
+      });
+      break;
 #endif
       run(at::BFloat16{});
       break;
