@@ -158,10 +158,10 @@ void avx512_path(at::Tensor& out, const at::Tensor& q, const PagedKV<C>& kv, con
 }
 #endif
 
-
 // The AVX-512 path over an int8, fp8 e4m3 or fp8 e5m2 cache with per-token scales (quant_kv.cpp's layout):
 // false when it does not apply (another ISA, fp32 queries, head_dim not 64 or 128), and the caller
-// then runs quant_kv.cpp's portable kernel. fp32 queries take the AVX2 path where it applies.
+// then runs quant_kv.cpp's portable kernel. fp32 queries take the AVX2 path where it applies, and so
+// do bf16 ones, widened, in a build without AVX-512.
 bool paged_decode_attention_scaled(at::Tensor out, const at::Tensor& q, const at::Tensor& k_data,
                                    const at::Tensor& v_data, const at::Tensor& k_scale, const at::Tensor& v_scale,
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
@@ -249,6 +249,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
         avx512_path(out, q, kv, bt, sl, Hkv, BS, static_cast<float>(scale));
         break;
       }
+      run(at::BFloat16{});
 #elif defined(TM_HAVE_AVX2_FP32_PATH)
       through_fp32(out, q, [&](at::Tensor& of, const at::Tensor& qf) {
         decode_attention_avx2(of.data_ptr<float>(), qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
@@ -256,9 +257,9 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
                               Hkv, D, BS, bt.size(1), static_cast<float>(scale));
         return true;
       });
-      break;
-#endif
+#else
       run(at::BFloat16{});
+#endif
       break;
     case at::kHalf: run(at::Half{}); break;
     default: TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", q.scalar_type());
