@@ -29,10 +29,10 @@ class PagedDecodes:
     seq_lens: torch.Tensor  # [num_decodes] int64
 
 
-# ISA levels where fp32 prompts take the blocked prompt kernel: one layer 1.3-1.8x SDPA's flash
-# attention from 128 to 2048 tokens on an AVX2 EPYC and on a Zen 4 with AVX-512 alike (BENCHMARKS.md),
-# and a row's result does not depend on the chunk's length (SDPA's last rows' did). AMX is left to
-# SDPA (not measured there).
+# ISA levels where fp32 prompts take the blocked prompt kernel: one layer 1.2-1.9x SDPA's flash
+# attention at 128-1100 tokens on an AVX2 EPYC, 1.3-1.8x at 128-2048 on a Zen 4 with AVX-512
+# (BENCHMARKS.md), and a row's result does not depend on the chunk's length (SDPA's last rows' did).
+# AMX is left to SDPA (not measured there).
 PREFILL_KERNEL_ISAS = ("avx2", "avx512", "avx512_bf16")
 # ISA levels where the decode kernel runs prompts too. AMX is left to SDPA (not measured: its bf16
 # GEMMs may use the tiles).

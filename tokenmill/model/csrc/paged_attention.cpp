@@ -169,10 +169,12 @@ bool paged_decode_attention_scaled(at::Tensor out, const at::Tensor& q, const at
   if (avx2_scaled_path(out, q, k_data, v_data, k_scale, v_scale, block_tables, seq_lens, scale)) return true;
 #ifndef TM_HAVE_AVX512_BF16_PATH
   if (q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 && q.is_contiguous() &&
-      out.is_contiguous())
-    return through_fp32(out, q, [&](at::Tensor& of, const at::Tensor& qf) {
-      return avx2_scaled_path(of, qf, k_data, v_data, k_scale, v_scale, block_tables, seq_lens, scale);
+      out.is_contiguous() && avx2_reads(q, k_data, k_scale.numel() > 0)) {  // checked before widening
+    through_fp32(out, q, [&](at::Tensor& of, const at::Tensor& qf) {
+      avx2_scaled_path(of, qf, k_data, v_data, k_scale, v_scale, block_tables, seq_lens, scale);
     });
+    return true;
+  }
 #endif
 #endif
 #ifdef TM_HAVE_AVX512_BF16_PATH
@@ -255,7 +257,6 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
         decode_attention_avx2(of.data_ptr<float>(), qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
                               v_cache.data_ptr<at::BFloat16>(), bt.data_ptr<int64_t>(), sl.data_ptr<int64_t>(), B, H,
                               Hkv, D, BS, bt.size(1), static_cast<float>(scale));
-        return true;
       });
 #else
       run(at::BFloat16{});

@@ -10,16 +10,20 @@
 
 namespace tm_paged {
 
+// Whether the AVX2 path reads this cache for such queries: int8 with scales or bf16 without, heads of
+// a multiple of 32 dims.
+inline bool avx2_reads(const at::Tensor& q, const at::Tensor& k_data, bool scaled) {
+  const auto cache = k_data.scalar_type();
+  return q.size(2) % 32 == 0 && ((cache == at::kChar && scaled) || (cache == at::kBFloat16 && !scaled));
+}
+
 // fp32 queries over an int8 cache with scales, or a bf16 one without: the AVX2 fp32 path, its rows
 // widened as they load. false where it does not apply (fp8 caches, bf16 queries).
 inline bool avx2_scaled_path(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_data, const at::Tensor& v_data,
                              const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, double scale) {
   const bool scaled = k_scale.numel() > 0;
-  const auto cache = k_data.scalar_type();
-  if (q.scalar_type() != at::kFloat || q.size(2) % 32 != 0 || !((cache == at::kChar && scaled) ||
-                                                                (cache == at::kBFloat16 && !scaled)))
-    return false;
+  if (q.scalar_type() != at::kFloat || !avx2_reads(q, k_data, scaled)) return false;
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_data.is_contiguous() && v_data.is_contiguous() &&
                   k_scale.is_contiguous() && v_scale.is_contiguous() && out.scalar_type() == at::kFloat,
               "paged_decode_attention_scaled: tensors must be contiguous");
@@ -41,13 +45,12 @@ inline bool avx2_scaled_path(at::Tensor& out, const at::Tensor& q, const at::Ten
 
 // bf16 queries on a build without the AVX-512 path (an AVX2 CPU running bf16): widened to fp32
 // (exactly) for the AVX2 path, and its fp32 rows rounded to bf16 once. The portable kernel they took
-// before ran 2.6-5.8x slower a call (BENCHMARKS.md). Returns what fp32_path returns.
+// before ran 2.6-5.8x slower a call (BENCHMARKS.md).
 template <typename F>
-inline bool through_fp32(at::Tensor& out, const at::Tensor& q, F&& fp32_path) {
+inline void through_fp32(at::Tensor& out, const at::Tensor& q, F&& fp32_path) {
   at::Tensor qf = q.to(at::kFloat), of = at::empty_like(qf);
-  if (!fp32_path(of, qf)) return false;
+  fp32_path(of, qf);
   out.copy_(of);
-  return true;
 }
 
 }  // namespace tm_paged

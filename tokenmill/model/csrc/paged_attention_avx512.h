@@ -197,11 +197,10 @@ void chunk_partials(const at::BFloat16* q, const PagedKV<C>& kv, const int64_t* 
     pair_sums_of<NV>(vt, wq.data(), Q, (n + 1) / 2, op.data());
   } else {
     for (int64_t r = r0; r < R; ++r) {  // each row over the keys it reaches
-      const int64_t i = (r - r0) * G;
-      softmax_weights_of<C>(sp.data() + i, G, std::min(t1, L0 + r) - t0, sv, pp.data() + i, wq.data() + i);
+      const int64_t i = (r - r0) * G, nr = std::min(t1, L0 + r) - t0;
+      softmax_weights_of<C>(sp.data() + i, G, nr, sv, pp.data() + i, wq.data() + i);
+      pair_sums_of<NV>(vt, wq.data() + i, G, (nr + 1) / 2, op.data() + i);
     }
-    for (int64_t r = r0; r < R; ++r)
-      pair_sums_of<NV>(vt, wq.data() + (r - r0) * G, G, (std::min(t1, L0 + r) - t0 + 1) / 2, op.data() + (r - r0) * G);
   }
 }
 
