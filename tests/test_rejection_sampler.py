@@ -9,6 +9,7 @@ draw from p instead of the residual max(p - q, 0)), so it can fail.
 from __future__ import annotations
 
 import math
+from array import array
 from collections import Counter
 
 import numpy as np
@@ -161,6 +162,46 @@ def test_ngram_drafts_as_many_as_the_match_is_long():
     t = np.array([5, 6, 7, 8, 1, 2, 3, 4, 20, 21, 22, 9, 9, 1, 2, 3, 4, 30, 31, 5, 6, 7, 8, 1, 2, 3, 4])
     assert ngram_drafts(t, 16, 2, 4, spec_factor=1.0) == [20, 21, 22, 9, 9, 1, 2, 3]
     assert ngram_drafts(t, 16, 2, 4) == [30, 31, 5, 6, 7, 8, 1, 2, 3, 4]  # no factor: the most recent 4-gram
+
+
+def _lookup_by_definition(tokens, k, n_min, n_max, factor):
+    """The lookup rule, position by position: each earlier position of the last token agrees some
+    tokens back (up to what can change the draft count); the furthest wins, the most recent of equals."""
+    length = len(tokens)
+    if length < n_min + 1:
+        return []
+    cap = min(max(n_max, math.ceil(k / factor) if factor else n_max), length - 1)
+    best, hit = 0, -1
+    for h in range(length - 1):
+        m = 0
+        while m < cap and h - m >= 0 and tokens[h - m] == tokens[length - 1 - m]:
+            m += 1
+        if m and m >= best:
+            best, hit = m, h
+    if best < n_min:
+        return []
+    num = k if not factor else max(1, min(k, int(factor * best)))
+    return list(tokens[hit + 1:hit + 1 + num])
+
+
+def test_ngram_lookup_follows_its_definition():
+    # small alphabets repeat often; large token ids put equal bytes across token boundaries, which the
+    # byte search must not take for a match
+    rng = np.random.default_rng(0)
+    for trial in range(4000):
+        scale = (1, 256, 65536, 1 << 24)[trial % 4]
+        t = (rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 60))) * scale).tolist()
+        k, n_min = int(rng.integers(1, 20)), int(rng.integers(1, 4))
+        n_max, factor = n_min + int(rng.integers(0, 4)), (None, 0.5, 1.0, 1.5)[trial % 4]
+        want = _lookup_by_definition(t, k, n_min, n_max, factor)
+        assert ngram_drafts(t, k, n_min, n_max, factor) == want
+        assert ngram_drafts(array("i", t), k, n_min, n_max, factor) == want
+
+
+def test_ngram_lookup_skips_matches_across_token_boundaries():
+    # 1 << 24 then 0 is the bytes 00 00 00 01 00 00 00 00: the bytes of token 1 sit at offset 3
+    assert ngram_drafts([1 << 24, 0, 5, 1], 3, 1, 2) == []
+    assert ngram_drafts([1, 7, 1 << 24, 0, 1], 2, 1, 2) == [7, 1 << 24]
 
 
 def test_a_draft_with_no_mass_outside_a_subset_is_corrected_to_p():

@@ -88,3 +88,18 @@ def test_sampling_across_preemption_matches_running_alone():
     assert not core.worker.runner.requests and core.kv.pool.num_free_blocks == core.kv.num_blocks
     del llm
     gc.collect()
+
+
+def test_token_array_follows_appends_and_rollbacks():
+    from tokenmill.worker.request_state import RequestState
+
+    state = RequestState("r", [1, 2, 3], 3, CoreSamplingParams(), None, [], 0, [], [])
+    state.append(4)
+    assert state.token_array().tolist() == [1, 2, 3, 4]  # built from the tokens at first use
+    for tok in (5, 6, 7):
+        state.append(tok)
+    state.rollback(2)
+    state.append(9)  # a rolled-back position taken by another token
+    assert state.token_array().tolist() == state.token_ids == [1, 2, 3, 4, 5, 9]
+    view = state.with_drafts([8])
+    assert view.token_array().tolist() == [1, 2, 3, 4, 5, 9, 8] and state.token_array().tolist()[-1] == 9

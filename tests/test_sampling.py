@@ -250,3 +250,33 @@ def test_first_argmax_is_torch_argmax(width, native, monkeypatch):
     x = torch.stack(rows + [last, ties])
     assert torch.equal(first_argmax(x), torch.argmax(x, dim=-1))
     assert first_argmax(x)[2] == 0 and first_argmax(x)[4] == width - 1 and first_argmax(x)[5] == width // 3
+
+
+def test_a_processor_edits_only_the_rows_it_says_it_acts_on():
+    """Plain greedy rows skip the processors (Sampler.plain_greedy): a processor whose acts_on says
+    no must leave the row alone, at its draft positions too (a view with more output)."""
+    import torch
+
+    from tokenmill.core.messages import CoreSamplingParams
+    from tokenmill.worker.logits_processors import default_processors
+    from tokenmill.worker.request_state import RequestState
+
+    def state(output, **params):
+        return RequestState("r", [3, 4] + output, 2, CoreSamplingParams(**params), None, [], 0, list(output), [0, 1])
+
+    states = [state([]), state([5]), state([5, 5], temperature=0.0), state([5], logit_bias={6: 2.0}),
+              state([5], min_tokens=1), state([5], min_tokens=2), state([5], min_tokens=3),
+              state([], min_tokens=2),
+              state([5], repetition_penalty=1.2), state([5], presence_penalty=0.5), state([5], frequency_penalty=0.5)]
+    acted = set()
+    for processor in default_processors():
+        for s in states:
+            for view in (s, s.with_drafts([7, 8])):
+                logits = torch.randn(1, 16)
+                before = logits.clone()
+                processor(logits, [view])
+                if not processor.acts_on(s):
+                    assert torch.equal(logits, before), (type(processor).__name__, s.params, view.output_token_ids)
+                elif not torch.equal(logits, before):
+                    acted.add(type(processor).__name__)
+    assert acted == {"LogitBias", "MinTokens", "RepetitionPenalty", "PresenceFrequencyPenalty"}

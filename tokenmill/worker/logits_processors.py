@@ -20,6 +20,12 @@ class LogitsProcessor:
         are left for `refused` to check after sampling (only rows `deferrable` named)."""
         raise NotImplementedError
 
+    def acts_on(self, state: RequestState) -> bool:
+        """Whether this processor may edit `state`'s rows, its draft positions' included. A verification
+        whose rows no processor acts on skips the pipeline (rejection_sampler.py); a processor that
+        cannot tell says True."""
+        return True
+
     def deferrable(self, states: Sequence[RequestState]) -> list[int]:
         """Rows whose constraint can be checked on the sampled token instead of edited into the
         logits, without changing what is sampled: a refused row is then sampled again, through a
@@ -41,6 +47,9 @@ class LogitsProcessor:
 
 
 class LogitBias(LogitsProcessor):
+    def acts_on(self, state):
+        return bool(state.params.logit_bias)
+
     def __call__(self, logits, states, deferred=frozenset()):
         for i, s in enumerate(states):
             bias = s.params.logit_bias
@@ -52,6 +61,9 @@ class LogitBias(LogitsProcessor):
 class MinTokens(LogitsProcessor):
     """Bans stop tokens (and EOS unless ignore_eos) until min_tokens have been generated."""
 
+    def acts_on(self, state):  # a draft position comes later in the output: it acts there only if here
+        return len(state.output_token_ids) < state.params.min_tokens and bool(state.min_tokens_banned)
+
     def __call__(self, logits, states, deferred=frozenset()):
         for i, s in enumerate(states):
             if len(s.output_token_ids) < s.params.min_tokens and s.min_tokens_banned:
@@ -60,6 +72,9 @@ class MinTokens(LogitsProcessor):
 
 class RepetitionPenalty(LogitsProcessor):
     """Divides positive logits (multiplies negative ones) of every token seen in prompt or output."""
+
+    def acts_on(self, state):
+        return state.params.repetition_penalty != 1.0
 
     def __call__(self, logits, states, deferred=frozenset()):
         for i, s in enumerate(states):
@@ -73,6 +88,9 @@ class RepetitionPenalty(LogitsProcessor):
 class PresenceFrequencyPenalty(LogitsProcessor):
     """OpenAI's penalties over the generated tokens: a fixed one per token present, and one per
     occurrence."""
+
+    def acts_on(self, state):
+        return bool(state.params.presence_penalty or state.params.frequency_penalty)
 
     def __call__(self, logits, states, deferred=frozenset()):
         for i, s in enumerate(states):
@@ -97,6 +115,9 @@ class GrammarMask(LogitsProcessor):
 
     def __init__(self):
         self._masks = None  # the batch bitmask, allocated on first use
+
+    def acts_on(self, state):
+        return state.grammar is not None
 
     def deferrable(self, states):
         return [i for i, s in enumerate(states) if _deferrable(s)]

@@ -24,7 +24,7 @@ from tokenmill.model.attention.backend import AttentionBackend, BatchLayout
 from tokenmill.model.attention.torch_sdpa import padded_block_table
 from tokenmill.utils.memory import zeros
 from tokenmill.worker.request_state import GrammarSource, RequestState, RequestStates
-from tokenmill.worker.sampler import Sampler, SamplingBatch, prompt_logprobs
+from tokenmill.worker.sampler import Sampler, prompt_logprobs
 from tokenmill.worker.spec_decode import Proposer, grammar_prefix, speculates
 from tokenmill.worker.spec_decode.rejection_sampler import RejectionSampler
 
@@ -92,7 +92,7 @@ class ModelRunner:
             last = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor([ends[i] - 1 for i in rows],
                                                                                    device=self.device)]
             logits = self.model.compute_logits(last)
-            result = self.sampler(logits, SamplingBatch.build(states, self.vocab_size, self.device))
+            result = self.sampler.sample(logits, states, self.vocab_size)
             for state, tok, lp in zip(states, result.token_ids, result.logprobs):
                 state.append(tok)
                 out.sampled_token_ids[state.req_id] = [tok]

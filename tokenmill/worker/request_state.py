@@ -10,6 +10,7 @@ the plain grammar spec in its sampling params, and advances with every token app
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ class RequestState:
     min_tokens_banned: list[int]  # stop tokens (and EOS unless ignore_eos), banned before min_tokens
     grammar: GrammarState | None = None  # structured output: where the output is in its grammar
     draft_num_computed: int = 0  # speculative decoding with a draft model: tokens with its KV
+    tokens_i32: array | None = None  # token_ids for n-gram lookups (token_array), kept from first use
 
     @classmethod
     def new(cls, r: NewRequestData, device: torch.device, grammars: GrammarSource | None = None) -> RequestState:
@@ -70,9 +72,18 @@ class RequestState:
                             self.generator, self.block_ids, self.num_computed_tokens,
                             self.output_token_ids + drafts, self.min_tokens_banned, None)
 
+    def token_array(self) -> array:
+        """token_ids as int32, for n-gram lookups (ngram.py searches its bytes): built once, then kept
+        in step by append and rollback. A numpy array of the list each step cost ~20 us there."""
+        if self.tokens_i32 is None:
+            self.tokens_i32 = array("i", self.token_ids)
+        return self.tokens_i32
+
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.tokens_i32 is not None:
+            self.tokens_i32.append(token_id)
         if self.grammar is not None:
             self.grammar.accept(token_id)
 
@@ -83,6 +94,8 @@ class RequestState:
             raise ValueError(f"cannot roll back {num_tokens} of {len(self.output_token_ids)} output tokens")
         if num_tokens:
             del self.token_ids[-num_tokens:], self.output_token_ids[-num_tokens:]
+            if self.tokens_i32 is not None:
+                del self.tokens_i32[-num_tokens:]
             if self.grammar is not None:
                 self.grammar.rollback(num_tokens)
 

@@ -97,7 +97,7 @@ class DraftModelProposer:
                 budget[i] = min(budget[i], n)
         for i, s in enumerate(states):
             if self.lookup_min and budget[i] > 0:  # a request with no room drafts nothing: no lookup
-                found = ngram_drafts(np.asarray(s.token_ids, dtype=np.int64), max(self.k, LOOKUP_MAX_DRAFTS),
+                found = ngram_drafts(s.token_array(), max(self.k, LOOKUP_MAX_DRAFTS),
                                      self.lookup_min, self.lookup_min, 1.0)
                 if len(found) >= self.lookup_min:
                     drafts[i], budget[i] = found, 0

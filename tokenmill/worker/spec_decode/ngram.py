@@ -15,38 +15,55 @@ suffix method do), up to k: a lone 2-token match drafts 2 tokens, a 12-token cop
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Sequence
 
-import numpy as np
+
+def _last_at_token(data: bytes, pat: bytes, end: int) -> int:
+    """The last occurrence of `pat` inside data[:end] that starts on a token's (4-byte) boundary."""
+    while True:
+        pos = data.rfind(pat, 0, end)
+        if pos < 0 or pos % 4 == 0:
+            return pos
+        end = pos + len(pat) - 1
 
 
-def ngram_drafts(tokens: np.ndarray, k: int, n_min: int, n_max: int, spec_factor: float | None = None) -> list[int]:
-    length = len(tokens)
+def ngram_drafts(tokens: Sequence[int], k: int, n_min: int, n_max: int, spec_factor: float | None = None
+                 ) -> list[int]:
+    """`tokens`: the request's, ideally its int32 array (RequestState.token_array). The match is
+    found by bytes.rfind over the tokens' bytes, a handful of calls: a numpy search costs a dozen
+    calls or more, and after a forward has streamed the weights through the caches each took ~10 us
+    (one request's lookups: 150-220 us against ~30, BENCHMARKS.md)."""
+    t = tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", [int(x) for x in tokens])
+    length = len(t)
     if length < n_min + 1:
         return []
-    # candidates: earlier positions of the last token (each has at least one token after it)
-    hits = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
-    if not len(hits):
+    data = t.tobytes()
+
+    def last(m: int) -> int:  # where the final m tokens occur last before the end (a byte offset), or -1
+        return _last_at_token(data, data[4 * (length - m):], 4 * (length - 1))
+
+    pos = last(1)
+    if pos < 0:
         return []
-    # how far back each candidate agrees with the end, up to what can change the draft count
-    cap = max(n_max, math.ceil(k / spec_factor) if spec_factor else n_max)
-    matched = np.ones(len(hits), dtype=np.int64)
-    alive = np.ones(len(hits), dtype=bool)
-    for j in range(1, min(cap, length - 1)):
-        back = hits - j
-        ok = alive & (back >= 0)
-        ok[ok] = tokens[back[ok]] == tokens[length - 1 - j]
-        if not ok.any():
-            break
-        matched += ok
-        alive = ok
-    # the occurrence that agrees furthest back, the most recent of equals (without a factor, the
-    # lookup's usual rule: the most recent occurrence of the longest n-gram up to n_max)
-    best = len(matched) - 1 - int(np.argmax(matched[::-1]))
-    if matched[best] < n_min:
+    # the occurrence that agrees furthest back (up to what can change the draft count), the most
+    # recent of equals; without a factor, the lookup's usual rule: the most recent occurrence of the
+    # longest n-gram up to n_max. A suffix occurs wherever a longer one does: a binary search.
+    cap = min(max(n_max, math.ceil(k / spec_factor) if spec_factor else n_max), length - 1)
+    matched, top = 1, last(cap) if cap > 1 else -1
+    if top >= 0:
+        matched, pos = cap, top
+    else:
+        missing = cap  # the final `missing` tokens occur nowhere before
+        while missing - matched > 1:
+            mid = (matched + missing) // 2
+            p = last(mid)
+            matched, missing, pos = (mid, missing, p) if p >= 0 else (matched, mid, pos)
+    if matched < n_min:
         return []
-    num = k if not spec_factor else max(1, min(k, int(spec_factor * int(matched[best]))))
-    start = int(hits[best]) + 1
-    return tokens[start:start + num].tolist()
+    num = k if not spec_factor else max(1, min(k, int(spec_factor * matched)))
+    start = pos // 4 + matched
+    return t[start:start + num].tolist()
 
 
 class NgramProposer:
@@ -54,5 +71,4 @@ class NgramProposer:
         self.k, self.n_min, self.n_max, self.spec_factor = k, n_min, n_max, spec_factor
 
     def propose(self, states, max_passes=None) -> list[list[int]]:  # lookups cost no passes
-        return [ngram_drafts(np.asarray(s.token_ids, dtype=np.int64), self.k, self.n_min, self.n_max,
-                             self.spec_factor) for s in states]
+        return [ngram_drafts(s.token_array(), self.k, self.n_min, self.n_max, self.spec_factor) for s in states]
