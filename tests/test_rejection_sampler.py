@@ -161,7 +161,8 @@ def test_ngram_drafts_as_many_as_the_match_is_long():
     # past n_max too: an older copy agreeing 8 tokens back beats a recent repeat of the last 4
     t = np.array([5, 6, 7, 8, 1, 2, 3, 4, 20, 21, 22, 9, 9, 1, 2, 3, 4, 30, 31, 5, 6, 7, 8, 1, 2, 3, 4])
     assert ngram_drafts(t, 16, 2, 4, spec_factor=1.0) == [20, 21, 22, 9, 9, 1, 2, 3]
-    assert ngram_drafts(t, 16, 2, 4) == [30, 31, 5, 6, 7, 8, 1, 2, 3, 4]  # no factor: the most recent 4-gram
+    # no factor: the most recent 4-gram, whose continuation reaches the end and goes on from the drafts
+    assert ngram_drafts(t, 16, 2, 4) == ([30, 31, 5, 6, 7, 8, 1, 2, 3, 4] * 2)[:16]
 
 
 def _lookup_by_definition(tokens, k, n_min, n_max, factor):
@@ -181,7 +182,10 @@ def _lookup_by_definition(tokens, k, n_min, n_max, factor):
     if best < n_min:
         return []
     num = k if not factor else max(1, min(k, int(factor * best)))
-    return list(tokens[hit + 1:hit + 1 + num])
+    seq = list(tokens)
+    while len(seq) < length + num:  # what followed the occurrence follows the end, drafts included
+        seq.append(seq[hit + 1 + len(seq) - length])
+    return seq[length:]
 
 
 def test_ngram_lookup_follows_its_definition():
@@ -196,6 +200,12 @@ def test_ngram_lookup_follows_its_definition():
         want = _lookup_by_definition(t, k, n_min, n_max, factor)
         assert ngram_drafts(t, k, n_min, n_max, factor) == want
         assert ngram_drafts(array("i", t), k, n_min, n_max, factor) == want
+
+
+def test_ngram_lookup_drafts_a_loop_on_past_the_end():
+    # the most recent "1 . 1 ." ends one period back: its continuation is the loop itself
+    assert ngram_drafts([5, 1, 2, 1, 2, 1, 2], 6, 2, 4) == [1, 2, 1, 2, 1, 2]
+    assert ngram_drafts([5, 1, 2, 1, 2, 1, 2], 16, 2, 4, spec_factor=1.0) == [1, 2, 1, 2]  # 4 agree
 
 
 def test_ngram_lookup_skips_matches_across_token_boundaries():

@@ -170,7 +170,9 @@ def test_draft_model_greedy_identical_to_no_speculation(reference_fp32, smol_pat
         p_min = ', "draft_p_min": 0' if draft == str(tiny_llama_dir) else ""
         # adaptive off: at 32 requests the policy would not try a draft model (its tries are costly)
         spec = f'{{"model": "{draft}", "num_speculative_tokens": 3, "adaptive": false{p_min}}}'
-        args = {**BASE, **CONFIGS["tiny-pool"], "kv_cache_memory": 45 * 16 * (46080 + kv_bytes)}
+        # 32 blocks: the smallest pool that holds max_model_len (once lookups drafted a looping output
+        # far ahead, 45 blocks no longer preempted)
+        args = {**BASE, **CONFIGS["tiny-pool"], "kv_cache_memory": 32 * 16 * (46080 + kv_bytes)}
         llm = LLM(dtype="float32", quantization="none", speculative_config=spec, progress=False, **args)
         outs = _run(llm, prompts[:32])
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref[:32]], draft

@@ -63,7 +63,14 @@ def ngram_drafts(tokens: Sequence[int], k: int, n_min: int, n_max: int, spec_fac
         return []
     num = k if not spec_factor else max(1, min(k, int(spec_factor * matched)))
     start = pos // 4 + matched
-    return t[start:start + num].tolist()
+    drafts = t[start:start + num].tolist()
+    # a continuation that runs into the end goes on from the drafts themselves, as a lookup repeated
+    # after each drafted token would (llama.cpp's lookup decoding drafts so): a looping output drafts
+    # its loop k tokens ahead, where the most recent occurrence, one period back, left it 1-2 tokens
+    period = length - start
+    while len(drafts) < num:
+        drafts.append(drafts[len(drafts) - period])
+    return drafts
 
 
 class NgramProposer:
