@@ -21,9 +21,9 @@ class LogitsProcessor:
         raise NotImplementedError
 
     def acts_on(self, state: RequestState) -> bool:
-        """Whether this processor may edit `state`'s rows, its draft positions' included. A verification
-        whose rows no processor acts on skips the pipeline (rejection_sampler.py); a processor that
-        cannot tell says True."""
+        """Whether this processor may edit `state`'s rows, its draft positions' included. A greedy row
+        without logprobs that no processor acts on skips the pipeline (Sampler.plain_greedy); a
+        processor that cannot tell says True."""
         return True
 
     def deferrable(self, states: Sequence[RequestState]) -> list[int]:

@@ -1,6 +1,7 @@
 """N-gram (prompt lookup) proposer: no extra model. The last n tokens (n from prompt_lookup_max
 down to prompt_lookup_min) are looked up earlier in the request's prompt and output; the tokens
-that followed their most recent occurrence are the drafts. Strong where output repeats input
+that followed their most recent occurrence are the drafts (going on from the drafts themselves
+where they reach the end: a loop is drafted k tokens ahead). Strong where output repeats input
 (editing or summarizing a given text, code). With `spec_factor`, of the occurrences the one that
 agrees furthest back wins, the most recent of equals: an output copying its input matches the
 input's passage for many tokens and a recent chance repeat of the last few only for those (on the
@@ -31,9 +32,9 @@ def _last_at_token(data: bytes, pat: bytes, end: int) -> int:
 def ngram_drafts(tokens: Sequence[int], k: int, n_min: int, n_max: int, spec_factor: float | None = None
                  ) -> list[int]:
     """`tokens`: the request's, ideally its int32 array (RequestState.token_array). The match is
-    found by bytes.rfind over the tokens' bytes, a handful of calls: a numpy search costs a dozen
-    calls or more, and after a forward has streamed the weights through the caches each took ~10 us
-    (one request's lookups: 150-220 us against ~30, BENCHMARKS.md)."""
+    found by bytes.rfind over the tokens' bytes, a handful of calls: a numpy search made dozens, and
+    after a forward has streamed the weights through the caches each took ~10 us (a lookup in the
+    engine: ~200 us, now ~28; BENCHMARKS.md)."""
     t = tokens if isinstance(tokens, array) and tokens.typecode == "i" else array("i", [int(x) for x in tokens])
     length = len(t)
     if length < n_min + 1:
