@@ -196,14 +196,14 @@ def test_ngram_lookup_follows_its_definition():
         scale = (1, 256, 65536, 1 << 24)[trial % 4]
         t = (rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 60))) * scale).tolist()
         k, n_min = int(rng.integers(1, 20)), int(rng.integers(1, 4))
-        n_max, factor = n_min + int(rng.integers(0, 4)), (None, 0.5, 1.0, 1.5)[trial % 4]
+        n_max, factor = n_min + int(rng.integers(0, 4)), (None, 0.5, 1.0, 1.5)[trial // 4 % 4]
         want = _lookup_by_definition(t, k, n_min, n_max, factor)
         assert ngram_drafts(t, k, n_min, n_max, factor) == want
         assert ngram_drafts(array("i", t), k, n_min, n_max, factor) == want
 
 
 def test_ngram_lookup_drafts_a_loop_on_past_the_end():
-    # the most recent "1 . 1 ." ends one period back: its continuation is the loop itself
+    # the most recent "1 2 1 2" ends one period back: its continuation is the loop itself
     assert ngram_drafts([5, 1, 2, 1, 2, 1, 2], 6, 2, 4) == [1, 2, 1, 2, 1, 2]
     assert ngram_drafts([5, 1, 2, 1, 2, 1, 2], 16, 2, 4, spec_factor=1.0) == [1, 2, 1, 2]  # 4 agree
 
