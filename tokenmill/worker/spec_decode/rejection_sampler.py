@@ -109,15 +109,14 @@ class RejectionSampler:
         """logits: the target's at each request's 1 + k verified positions, back to back. Returns per
         request its tokens (kept drafts + one) and, if it asked, their logprobs (the target's raw
         distribution, as without speculation)."""
+        starts = list(itertools.accumulate((len(d) + 1 for _, d in rows), initial=0))
         if all(self.sampler.plain_greedy(state) for state, _ in rows):  # argmaxes of the raw logits
             argmax = first_argmax(logits.float()).tolist()
-            starts = itertools.accumulate((len(d) + 1 for _, d in rows), initial=0)
             return [(verify_greedy(argmax[r0:r0 + len(d) + 1], d), None) for (_, d), r0 in zip(rows, starts)]
         views = [state.with_drafts(drafts[:j]) for state, drafts in rows for j in range(len(drafts) + 1)]
         batch = SamplingBatch.build(views, self.vocab_size, logits.device)
         logits = logits.float()
         raw = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
-        starts = list(itertools.accumulate((len(d) + 1 for _, d in rows), initial=0))
         # a greedy structured-output row's grammar acts only where an argmax is refused (greedy_tokens)
         deferred = frozenset(r0 for (state, _), r0 in zip(rows, starts) if _grammar_greedy(state))
         logits = self.sampler.process(logits, batch, deferred)
